@@ -1,0 +1,36 @@
+"""fastrl: fused Triton kernels for the RL losses of LLM post-training.
+
+    import fastrl
+    out = fastrl.policy_loss(logits, tokens, advantages, old_logp, ref_logp, mask,
+                             config=fastrl.LossConfig.grpo())
+    out.loss.backward()
+
+See SPEC.md for the math and README.md for the layout.
+"""
+
+from .advantages import (
+    dynamic_sampling_filter,
+    gae,
+    group_advantages,
+    overlong_penalty,
+    whiten,
+)
+from .config import LossConfig
+from .losses import PolicyLossOutput, logprobs, policy_loss, value_loss
+from .sampling import sample
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LossConfig",
+    "PolicyLossOutput",
+    "dynamic_sampling_filter",
+    "gae",
+    "group_advantages",
+    "logprobs",
+    "overlong_penalty",
+    "policy_loss",
+    "sample",
+    "value_loss",
+    "whiten",
+]

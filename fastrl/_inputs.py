@@ -1,0 +1,197 @@
+"""Input checking and canonical shapes for the policy loss, shared by the reference and the fused path.
+
+Every public loss accepts either sequence-shaped inputs (logits (B, T, V), tokens (B, T)) or
+flat ones (logits (N, V), tokens (N,)). Both are brought to the (B, T) form here, as views (the
+logits are never copied): flat inputs become one row of N tokens, `flat=True`. Sequence-level
+options (`ratio_level="sequence"`, `rollout_is="sequence"`, the `seq-mean-*` aggregations) need
+real sequences and raise on flat inputs.
+
+Errors are ValueErrors that name the argument, its shape or dtype, and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import LossConfig, resolve_config
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def shape_error(name: str, t: Tensor, expected: str) -> ValueError:
+    return ValueError(
+        f"{name} has shape {tuple(t.shape)} and dtype {t.dtype} on {t.device}; expected {expected}"
+    )
+
+
+def check_temperature(temperature: float) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def check_logits_tokens(logits: Tensor, tokens: Tensor, check_range: bool | None = None):
+    """Validate logits (B, T, V) / (N, V) against tokens (B, T) / (N,).
+
+    The token range check [0, V) needs the values; it runs on CPU tensors (no device sync) or when
+    `check_range=True`. Returns (logits as (B, T, V), tokens as (B, T), flat)."""
+    if not isinstance(logits, Tensor) or logits.dim() not in (2, 3):
+        raise ValueError(
+            f"logits must be a tensor of shape (B, T, V) or (N, V), got "
+            f"{tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__}"
+        )
+    if logits.dtype not in FLOAT_DTYPES:
+        raise shape_error("logits", logits, "dtype float32, bfloat16 or float16")
+    if logits.shape[-1] < 1:
+        raise shape_error("logits", logits, "a vocabulary dimension V >= 1")
+    if not isinstance(tokens, Tensor):
+        raise ValueError(f"tokens must be an integer tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise shape_error("tokens", tokens, "dtype int64 or int32")
+    if tuple(tokens.shape) != tuple(logits.shape[:-1]):
+        raise shape_error("tokens", tokens, f"shape {tuple(logits.shape[:-1])} (logits without V)")
+    if tokens.device != logits.device:
+        raise shape_error("tokens", tokens, f"device {logits.device} (the logits' device)")
+    if check_range is None:
+        check_range = tokens.device.type == "cpu"
+    if check_range and tokens.numel() > 0:
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= logits.shape[-1]:
+            raise ValueError(
+                f"tokens must lie in [0, V) = [0, {logits.shape[-1]}), got values in [{lo}, {hi}]"
+            )
+    flat = logits.dim() == 2
+    if flat:
+        logits, tokens = logits.unsqueeze(0), tokens.unsqueeze(0)
+    return logits, tokens, flat
+
+
+def _per_token(name: str, x: Tensor | None, B: int, T: int, flat: bool, device) -> Tensor | None:
+    """A per-token float tensor like tokens, as fp32 (B, T)."""
+    if x is None:
+        return None
+    expected = f"shape {(T,) if flat else (B, T)} (like tokens), a float dtype, device {device}"
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a tensor of {expected}, got {type(x).__name__}")
+    if not x.is_floating_point() or x.device != device:
+        raise shape_error(name, x, expected)
+    if flat:
+        if tuple(x.shape) != (T,):
+            raise shape_error(name, x, expected)
+        x = x.unsqueeze(0)
+    elif tuple(x.shape) != (B, T):
+        raise shape_error(name, x, expected)
+    return x.float()
+
+
+@dataclass
+class PolicyInputs:
+    """Canonical inputs: every per-token tensor is (B, T); advantages fp32, mask fp32."""
+
+    logits: Tensor  # (B, T, V) view of the caller's logits
+    tokens: Tensor  # (B, T) int64 or int32
+    advantages: Tensor  # (B, T) fp32 (a broadcast view when given per sequence)
+    old_logp: Tensor | None  # (B, T) fp32
+    ref_logp: Tensor | None  # (B, T) fp32
+    rollout_logp: Tensor | None  # (B, T) fp32
+    mask: Tensor  # (B, T) fp32, 1 = counts
+    flat: bool  # the caller passed (N, V) / (N,)
+    config: LossConfig
+    num_tokens: Tensor | float | None  # global token count (token-mean)
+    num_seqs: Tensor | float | None  # global sequence count (seq-mean-*)
+
+    def unflatten(self, x: Tensor) -> Tensor:
+        """(B, T) back to the caller's layout: (N,) for flat inputs."""
+        return x.squeeze(0) if self.flat else x
+
+
+def prepare_policy_inputs(
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    mask: Tensor | None,
+    rollout_logp: Tensor | None,
+    config: LossConfig | str | None,
+    overrides: dict,
+    check_range: bool | None = None,
+) -> PolicyInputs:
+    """Validate the arguments of `policy_loss` and bring them to the canonical (B, T) form."""
+    overrides = dict(overrides)
+    # Global counts may be 0-dim tensors (an all-reduced count): keep them out of the dataclass.
+    counts = {}
+    for key in ("num_tokens", "num_seqs"):
+        if isinstance(overrides.get(key), Tensor):
+            counts[key] = overrides.pop(key)
+            if counts[key].numel() != 1:
+                raise shape_error(key, counts[key], "a number or a one-element tensor")
+    cfg = resolve_config(config, overrides)
+    num_tokens = counts.get("num_tokens", cfg.num_tokens)
+    num_seqs = counts.get("num_seqs", cfg.num_seqs)
+
+    logits, tokens, flat = check_logits_tokens(logits, tokens, check_range)
+    B, T = tokens.shape
+    dev = logits.device
+
+    if not isinstance(advantages, Tensor):
+        raise ValueError(f"advantages must be a float tensor, got {type(advantages).__name__}")
+    adv_expected = f"shape {(T,)} (like tokens)" if flat else f"shape {(B,)} or {(B, T)}"
+    if not advantages.is_floating_point() or advantages.device != dev:
+        raise shape_error("advantages", advantages, f"{adv_expected}, a float dtype, device {dev}")
+    if flat:
+        if tuple(advantages.shape) != (T,):
+            raise shape_error("advantages", advantages, adv_expected)
+        advantages = advantages.unsqueeze(0)
+    elif tuple(advantages.shape) == (B,):
+        advantages = advantages.unsqueeze(1).expand(B, T)
+    elif tuple(advantages.shape) != (B, T):
+        raise shape_error("advantages", advantages, adv_expected)
+
+    old_logp = _per_token("old_logp", old_logp, B, T, flat, dev)
+    ref_logp = _per_token("ref_logp", ref_logp, B, T, flat, dev)
+    rollout_logp = _per_token("rollout_logp", rollout_logp, B, T, flat, dev)
+
+    if mask is None:
+        mask = torch.ones(B, T, device=dev, dtype=torch.float32)
+    else:
+        if not isinstance(mask, Tensor):
+            raise ValueError(f"mask must be a bool or float tensor, got {type(mask).__name__}")
+        expected = f"shape {(T,) if flat else (B, T)} (like tokens), bool or float, device {dev}"
+        if mask.device != dev or not (mask.dtype == torch.bool or mask.is_floating_point()):
+            raise shape_error("mask", mask, expected)
+        if tuple(mask.shape) != ((T,) if flat else (B, T)):
+            raise shape_error("mask", mask, expected)
+        mask = mask.reshape(B, T).float()
+
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logp (the reference log-probs)")
+    if cfg.rollout_is is not None and rollout_logp is None:
+        raise ValueError(f"rollout_is={cfg.rollout_is!r} needs rollout_logp (the sampler's log-probs)")
+    if cfg.rollout_is is None and rollout_logp is not None:
+        raise ValueError(
+            "rollout_logp was given but rollout_is is None: set rollout_is='token' or 'sequence' "
+            "(with rollout_is_cap) to use it, or do not pass it"
+        )
+    if flat:
+        seq_opts = {
+            "ratio_level": cfg.ratio_level == "sequence",
+            "rollout_is": cfg.rollout_is == "sequence",
+            "agg": cfg.agg != "token-mean",
+        }
+        used = [f"{k}={getattr(cfg, k)!r}" for k, on in seq_opts.items() if on]
+        if used:
+            raise ValueError(
+                f"{', '.join(used)} needs sequences: pass logits (B, T, V) and tokens (B, T), "
+                f"not flat logits {(T, logits.shape[-1])}"
+            )
+    return PolicyInputs(
+        logits, tokens, advantages.float(), old_logp, ref_logp, rollout_logp, mask, flat, cfg,
+        num_tokens, num_seqs,
+    )

@@ -1,0 +1,237 @@
+"""Loss configuration: one dataclass for every knob of SPEC.md sections 1-5, plus presets.
+
+`LossConfig()` with no arguments is the `ppo` preset. Every preset takes keyword overrides:
+
+    cfg = LossConfig.grpo(kl_coef=0.01)
+    cfg = LossConfig.dapo(clip_high=0.3, entropy_coef=1e-3)
+
+All values are checked in `__post_init__`; an impossible value raises a `ValueError` that names
+the field, the value and what was expected. `dataclasses.replace(cfg, field=value)` re-checks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+POLICIES = ("ppo", "cispo", "sapo", "reinforce")
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_MODES = ("truncate", "mask")
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Every option of the fused policy loss (SPEC.md sections 1-5)."""
+
+    policy: str = "ppo"
+    """Per-token policy term (SPEC 2): `ppo` (clipped surrogate; GRPO, DAPO, Dr.GRPO and GSPO
+    use it), `cispo` (clipped, stop-gradient IS weight times log-prob), `sapo` (soft sigmoid
+    gate) or `reinforce` (-A * logp, no ratio)."""
+
+    clip_low: float = 0.2
+    """epsilon_low: the ratio is clipped from below at 1 - clip_low. In [0, 1]; 1 means no
+    lower bound (CISPO)."""
+
+    clip_high: float = 0.2
+    """epsilon_high: the ratio is clipped from above at 1 + clip_high (DAPO's clip-higher uses
+    0.28). Must be >= 0."""
+
+    clip_dual: float | None = None
+    """Dual-clip constant c (verl `clip_ratio_c`): for A < 0 the loss is capped at -A * c.
+    None disables it; otherwise must be > 1."""
+
+    clip_delta: float | None = None
+    """Two-sided bound delta (INTELLECT-2; TRL `delta`): the unclipped ratio is replaced by
+    min(r, delta). None disables it; otherwise must be > 1 + clip_high."""
+
+    ratio_level: str = "token"
+    """`token` (PPO/GRPO: one ratio per token) or `sequence` (GSPO: the ratio of the
+    length-normalised sequence log-likelihoods, broadcast over the sequence's tokens)."""
+
+    kl_coef: float = 0.0
+    """beta, the weight of the per-token KL to the reference policy. >= 0; when > 0 the caller
+    must pass `ref_logp`."""
+
+    kl_estimator: str = "k3"
+    """KL estimator (SPEC 4): `k1`, `k2`, `k3` (TRL's, unclamped), `low_var_kl` (verl's
+    clamped k3) or `abs`."""
+
+    kl_bias_correction: bool = False
+    """Multiply each token's KL by its (token-level) importance ratio r_t, as in DeepSeek-V3.2
+    and TRL's `use_bias_correction_kl`."""
+
+    entropy_coef: float = 0.0
+    """c_H, the weight of the entropy bonus: the loss gets -c_H * H_t per token. >= 0."""
+
+    temperature: float = 1.0
+    """tau: logits are divided by it before the softmax. Must be finite and > 0; use the
+    sampler's temperature so that training log-probs match the rollout's."""
+
+    agg: str = "token-mean"
+    """How per-token losses become one scalar (SPEC 5): `token-mean`, `seq-mean-token-mean`,
+    `seq-mean-token-sum` or `seq-mean-token-sum-norm`."""
+
+    num_tokens: float | None = None
+    """Global token count for `token-mean` (across data-parallel ranks and gradient
+    accumulation steps; TRL `num_items_in_batch`). None = the local sum of the mask. May also be
+    passed as a 0-dim tensor to `policy_loss` to avoid a host sync."""
+
+    num_seqs: float | None = None
+    """Global sequence count B for the `seq-mean-*` aggregations. None = the local batch size."""
+
+    max_len: int | None = None
+    """L_max for `seq-mean-token-sum-norm` (Dr.GRPO). None = the padded length T."""
+
+    rollout_is: str | None = None
+    """Rollout correction (SPEC 3): None (off), `token` or `sequence` truncated importance
+    sampling between the trainer's pi_old and the sampler's own log-probs (`rollout_logp`)."""
+
+    rollout_is_cap: float | None = 2.0
+    """Cap C of the rollout IS weight. Must be > 0 when `rollout_is` is set."""
+
+    rollout_is_mode: str = "truncate"
+    """`truncate` (w = min(w, C)) or `mask` (w = w * 1[w <= C])."""
+
+    sapo_tau_pos: float = 1.0
+    """SAPO gate temperature for A > 0. Must be > 0."""
+
+    sapo_tau_neg: float = 1.05
+    """SAPO gate temperature for A <= 0. Must be > 0."""
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(
+                f"LossConfig.{name}={getattr(self, name)!r} is invalid: expected {expected}"
+            )
+
+        def choice(name: str, allowed: tuple) -> None:
+            if getattr(self, name) not in allowed:
+                raise bad(name, "one of " + ", ".join(repr(a) for a in allowed))
+
+        def real(name: str, expected: str, ok, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not _is_real(v) or not math.isfinite(v) or not ok(v):
+                raise bad(name, expected)
+
+        choice("policy", POLICIES)
+        choice("ratio_level", RATIO_LEVELS)
+        choice("kl_estimator", KL_ESTIMATORS)
+        choice("agg", AGGS)
+        choice("rollout_is", ROLLOUT_IS_LEVELS + (None,))
+        choice("rollout_is_mode", ROLLOUT_IS_MODES)
+        real("clip_low", "a finite number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        real("clip_high", "a finite number >= 0", lambda v: v >= 0.0)
+        real("clip_dual", "None or a finite number > 1", lambda v: v > 1.0, optional=True)
+        real(
+            "clip_delta",
+            f"None or a finite number > 1 + clip_high = {1 + self.clip_high}",
+            lambda v: v > 1.0 + self.clip_high,
+            optional=True,
+        )
+        real("kl_coef", "a finite number >= 0", lambda v: v >= 0.0)
+        real("entropy_coef", "a finite number >= 0", lambda v: v >= 0.0)
+        real("temperature", "a finite number > 0", lambda v: v > 0.0)
+        real("num_tokens", "None or a finite number > 0", lambda v: v > 0, optional=True)
+        real("num_seqs", "None or a finite number > 0", lambda v: v > 0, optional=True)
+        if self.max_len is not None and (
+            not isinstance(self.max_len, int) or isinstance(self.max_len, bool) or self.max_len < 1
+        ):
+            raise bad("max_len", "None or an int >= 1")
+        real("rollout_is_cap", "None or a finite number > 0", lambda v: v > 0.0, optional=True)
+        if self.rollout_is is not None and self.rollout_is_cap is None:
+            raise bad(
+                "rollout_is_cap",
+                f"a finite number > 0 because rollout_is={self.rollout_is!r} is set",
+            )
+        real("sapo_tau_pos", "a finite number > 0", lambda v: v > 0.0)
+        real("sapo_tau_neg", "a finite number > 0", lambda v: v > 0.0)
+        if not isinstance(self.kl_bias_correction, bool):
+            raise bad("kl_bias_correction", "a bool")
+
+    # ------------------------------------------------------------------ helpers
+    def replace(self, **overrides: Any) -> LossConfig:
+        """A copy with `overrides` applied (and validated). Unknown names raise a ValueError."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown LossConfig field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        return replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ------------------------------------------------------------------ presets (SPEC 5)
+    @classmethod
+    def _preset(cls, base: dict[str, Any], overrides: dict[str, Any]) -> LossConfig:
+        return cls().replace(**{**base, **overrides})
+
+    @classmethod
+    def ppo(cls, **overrides: Any) -> LossConfig:
+        """PPO: clip 0.2 / 0.2, token ratios, no KL (reward shaping is the trainer's), token-mean."""
+        return cls._preset({}, overrides)
+
+    @classmethod
+    def grpo(cls, **overrides: Any) -> LossConfig:
+        """GRPO: clip 0.2 / 0.2, token ratios, k3 KL with beta = 0.04, seq-mean-token-mean."""
+        base = dict(kl_coef=0.04, kl_estimator="k3", agg="seq-mean-token-mean")
+        return cls._preset(base, overrides)
+
+    @classmethod
+    def dapo(cls, **overrides: Any) -> LossConfig:
+        """DAPO: clip-higher 0.2 / 0.28, token ratios, no KL, token-mean (over the global count)."""
+        return cls._preset(dict(clip_high=0.28), overrides)
+
+    @classmethod
+    def dr_grpo(cls, **overrides: Any) -> LossConfig:
+        """Dr.GRPO: clip 0.2 / 0.2, no KL, seq-mean-token-sum-norm (constant normaliser)."""
+        return cls._preset(dict(agg="seq-mean-token-sum-norm"), overrides)
+
+    @classmethod
+    def gspo(cls, **overrides: Any) -> LossConfig:
+        """GSPO: sequence-level ratio, clip 3e-4 / 4e-4, no KL, seq-mean-token-mean."""
+        base = dict(
+            clip_low=3e-4, clip_high=4e-4, ratio_level="sequence", agg="seq-mean-token-mean"
+        )
+        return cls._preset(base, overrides)
+
+    @classmethod
+    def cispo(cls, **overrides: Any) -> LossConfig:
+        """CISPO: stop-gradient IS weight clipped to [0, 5], no KL, token-mean."""
+        return cls._preset(dict(policy="cispo", clip_low=1.0, clip_high=4.0), overrides)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LossConfig:
+        """A preset by name: one of `PRESETS`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown LossConfig preset {name!r}; expected one of {PRESETS}")
+        return getattr(cls, name)(**overrides)
+
+
+PRESETS = ("ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
+
+
+def resolve_config(config: LossConfig | str | None, overrides: dict[str, Any]) -> LossConfig:
+    """The config a loss call uses: `config` (a LossConfig, a preset name or None = ppo) with
+    keyword `overrides` of LossConfig fields applied."""
+    if config is None:
+        config = LossConfig()
+    elif isinstance(config, str):
+        config = LossConfig.preset(config)
+    elif not isinstance(config, LossConfig):
+        raise ValueError(
+            f"config must be a LossConfig, a preset name or None, got {type(config).__name__}"
+        )
+    return config.replace(**overrides) if overrides else config

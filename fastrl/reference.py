@@ -1,0 +1,385 @@
+"""SPEC.md in plain PyTorch: the oracle of every test and the "eager" baseline of the benchmarks.
+
+Written to be read, CleanRL style: paper names (`ratio`, `pg_loss1`, `pg_loss2`, `clipfrac`,
+`approx_kl`), one formula per line, no fusion and no memory tricks (it materialises several fp32
+copies of the logits, which is exactly what the fused path avoids). Never change it to agree
+with a kernel: the kernels are checked against it.
+
+Shapes: B sequences, T tokens each, V vocabulary; N = B * T for flat inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
+from .config import AGGS, LossConfig
+
+LOG_RATIO_CLAMP = 20.0  # SPEC 1 / 3: exp(clamp(x, -20, 20)), verl's clamp
+LOW_VAR_KL_CLAMP = 10.0  # SPEC 4: verl's clamp of k3
+WHITEN_EPS = 1e-8  # SPEC 7
+
+
+@dataclass
+class PolicyLossOutput:
+    """What `policy_loss` returns (the fused `fastrl.policy_loss` returns the same object)."""
+
+    loss: Tensor  # scalar, differentiable w.r.t. the logits
+    logp: Tensor  # per token (like tokens), detached
+    entropy: Tensor  # per token, detached
+    kl: Tensor  # per token, detached (zeros when no ref_logp is given)
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached 0-dim tensors
+
+
+# --------------------------------------------------------------------------- helpers
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Σ m·x / Σ m, and 0 (not NaN) when nothing counts."""
+    count = mask.sum()
+    return torch.where(count > 0, (x * mask).sum() / count.clamp(min=1e-20), 0.0)
+
+
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """max of x over counted entries, 0 when nothing counts."""
+    counted = mask > 0
+    if not counted.any():
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return x[counted].max()
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0):
+    """logp_t = z'_y - lse and H_t = lse - Σ_j p_j z'_j with z' = z / τ (SPEC notation).
+
+    logits (..., V) any float dtype; tokens (...) int. Returns fp32 (logp, entropy), each (...)."""
+    z = logits.float() / temperature  # (..., V) fp32 copy
+    log_probs = torch.log_softmax(z, dim=-1)  # (..., V)
+    logp = log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    probs = log_probs.exp()
+    entropy = torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
+    return logp, entropy
+
+
+def logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, entropy: bool = False):
+    """Reference of `fastrl.logprobs`: per-token log-probs (and entropy when asked)."""
+    temperature = check_temperature(temperature)
+    check_logits_tokens(logits, tokens, check_range=True)
+    logp, ent = token_logprobs(logits, tokens, temperature)
+    return (logp, ent) if entropy else logp
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """Per-token KL(π || π_ref) estimate with x = ref_logp - logp (SPEC 4)."""
+    x = ref_logp - logp
+    if estimator == "k1":
+        return -x
+    if estimator == "abs":
+        return x.abs()
+    if estimator == "k2":
+        return 0.5 * x**2
+    if estimator == "k3":
+        return torch.exp(x) - x - 1
+    if estimator == "low_var_kl":
+        x = torch.clamp(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = torch.exp(x) - x - 1
+        return torch.clamp(kl, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    raise ValueError(f"unknown kl_estimator {estimator!r}")
+
+
+def aggregate(
+    loss_mat: Tensor,
+    mask: Tensor,
+    agg: str,
+    num_tokens: Tensor | float | None = None,
+    num_seqs: Tensor | float | None = None,
+    max_len: int | None = None,
+) -> Tensor:
+    """One scalar from per-token losses L (B, T) and mask m (B, T) (SPEC 5)."""
+    B, T = loss_mat.shape
+    seq_lengths = mask.sum(-1)  # |y_i|
+    num_seqs = B if num_seqs is None else num_seqs
+    if agg == "token-mean":
+        num_tokens = mask.sum() if num_tokens is None else num_tokens
+        num_tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=mask.device)
+        # an empty batch sums to 0: divide by 1 there so that neither loss nor gradient is NaN
+        return (loss_mat * mask).sum() / torch.where(num_tokens > 0, num_tokens, 1.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = (loss_mat * mask).sum(-1) / seq_lengths.clamp(min=1)
+        return per_seq.sum() / num_seqs
+    if agg == "seq-mean-token-sum":
+        return (loss_mat * mask).sum() / num_seqs
+    if agg == "seq-mean-token-sum-norm":
+        max_len = T if max_len is None else max_len
+        return (loss_mat * mask).sum() / (num_seqs * max_len)
+    raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
+
+
+# --------------------------------------------------------------------------- policy loss
+def policy_loss(
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    config: LossConfig | str | None = None,
+    **overrides,
+) -> PolicyLossOutput:
+    """The policy loss of SPEC 1-5, eagerly. Same signature and output as `fastrl.policy_loss`.
+
+    logits (B, T, V) or (N, V); tokens (B, T) or (N,); advantages (B,), (B, T) or (N,);
+    old_logp / ref_logp / rollout_logp / mask like tokens."""
+    x = prepare_policy_inputs(
+        logits, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
+        check_range=True,
+    )
+    cfg = x.config
+    mask = x.mask  # (B, T) fp32
+    A = x.advantages  # (B, T)
+
+    logp, entropy = token_logprobs(x.logits, x.tokens, cfg.temperature)  # (B, T) each
+    old_logp = logp.detach() if x.old_logp is None else x.old_logp
+    seq_lengths = mask.sum(-1, keepdim=True)  # (B, 1)
+
+    # SPEC 1: importance ratio
+    token_log_ratio = logp - old_logp
+    if cfg.ratio_level == "token":
+        log_ratio = token_log_ratio
+    else:  # GSPO: length-normalised sequence log-ratio, broadcast over the sequence
+        seq_log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / seq_lengths.clamp(min=1)
+        log_ratio = seq_log_ratio.expand_as(logp)
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    clipped_ratio = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+
+    # SPEC 2: the per-token policy term
+    dual_clipped = torch.zeros_like(mask)
+    if cfg.policy == "ppo":
+        unclipped_ratio = ratio if cfg.clip_delta is None else torch.clamp(ratio, max=cfg.clip_delta)
+        pg_loss1 = -A * unclipped_ratio
+        pg_loss2 = -A * clipped_ratio
+        pg_loss = torch.maximum(pg_loss1, pg_loss2)
+        if cfg.clip_dual is not None:
+            pg_loss3 = -A * cfg.clip_dual
+            dual_clipped = ((A < 0) & (pg_loss > pg_loss3)).float()
+            pg_loss = torch.where(A < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
+    elif cfg.policy == "cispo":
+        pg_loss = -clipped_ratio.detach() * A * logp
+    elif cfg.policy == "sapo":
+        tau = torch.where(A > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        pg_loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * A
+    elif cfg.policy == "reinforce":
+        pg_loss = -A * logp
+    else:
+        raise ValueError(f"unknown policy {cfg.policy!r}")
+
+    # SPEC 3: rollout correction (truncated importance sampling), detached
+    is_metrics = {}
+    if cfg.rollout_is is not None:
+        log_is_weight = old_logp - x.rollout_logp
+        if cfg.rollout_is == "sequence":
+            log_is_weight = (log_is_weight * mask).sum(-1, keepdim=True).expand_as(logp)
+        is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        over_cap = (is_weight_raw > cfg.rollout_is_cap).float()
+        if cfg.rollout_is_mode == "truncate":
+            is_weight = torch.clamp(is_weight_raw, max=cfg.rollout_is_cap)
+        else:
+            is_weight = is_weight_raw * (1 - over_cap)
+        is_weight = is_weight.detach()
+        pg_loss = is_weight * pg_loss
+        is_metrics = {
+            "is_weight_mean": masked_mean(is_weight, mask),
+            "is_weight_max": masked_max(is_weight_raw.detach(), mask),
+            "is_clipfrac": masked_mean(over_cap, mask),
+        }
+
+    # SPEC 4: KL to the reference policy
+    if x.ref_logp is not None:
+        kl = kl_penalty(logp, x.ref_logp, cfg.kl_estimator)
+        if cfg.kl_bias_correction:
+            kl = kl * torch.exp(torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    else:
+        kl = torch.zeros_like(logp)
+
+    # SPEC 5: per-token total, then one aggregation
+    per_token_loss = pg_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy
+    loss = aggregate(
+        per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len
+    )
+
+    with torch.no_grad():
+        clipfrac_high = ((A > 0) & (ratio > 1 + cfg.clip_high)).float()
+        clipfrac_low = ((A < 0) & (ratio < 1 - cfg.clip_low)).float()
+        metrics = {
+            "clipfrac": masked_mean(clipfrac_high + clipfrac_low, mask),
+            "clipfrac_low": masked_mean(clipfrac_low, mask),
+            "clipfrac_high": masked_mean(clipfrac_high, mask),
+            "dualclip_frac": masked_mean(dual_clipped, mask),
+            "approx_kl": masked_mean(old_logp - logp, mask),
+            "kl": masked_mean(kl, mask),
+            "entropy": masked_mean(entropy, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "ratio_max": masked_max(ratio, mask),
+            **is_metrics,
+        }
+        metrics = {k: v.detach() for k, v in metrics.items()}
+
+    return PolicyLossOutput(
+        loss=loss,
+        logp=x.unflatten(logp.detach()),
+        entropy=x.unflatten(entropy.detach()),
+        kl=x.unflatten(kl.detach()),
+        metrics=metrics,
+    )
+
+
+# --------------------------------------------------------------------------- value loss
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor | None = None,
+    clip: float | None = 0.2,
+    agg: str = "token-mean",
+):
+    """PPO's clipped value loss (SPEC 8). values / old_values / returns / mask (B, T).
+
+    Returns (loss, vf_clipfrac)."""
+    values_2d = values if values.dim() == 2 else values.unsqueeze(0)
+    mask = torch.ones_like(values_2d) if mask is None else mask.reshape(values_2d.shape).float()
+    returns = returns.reshape(values_2d.shape)
+    old_values = old_values.reshape(values_2d.shape)
+    if clip is None:
+        values_clipped = values_2d
+    else:
+        values_clipped = old_values + torch.clamp(values_2d - old_values, -clip, clip)
+    vf_loss1 = (values_2d - returns) ** 2
+    vf_loss2 = (values_clipped - returns) ** 2
+    vf_loss = 0.5 * aggregate(torch.maximum(vf_loss1, vf_loss2), mask, agg)
+    vf_clipfrac = masked_mean((vf_loss2 > vf_loss1).float(), mask).detach()
+    return vf_loss, vf_clipfrac
+
+
+# --------------------------------------------------------------------------- advantages
+def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over counted entries, var unbiased (SPEC 7)."""
+    mask = torch.ones_like(x) if mask is None else mask.float()
+    count = mask.sum()
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if count > 1:
+        var = var * count / (count - 1)  # Bessel's correction
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten_advantages: bool = True,
+):
+    """Generalised advantage estimation, verl's masked form (SPEC 7). All inputs (B, T).
+
+    Returns (advantages, returns), fp32 (B, T)."""
+    rewards, values, mask = rewards.float(), values.float(), mask.float()
+    B, T = rewards.shape
+    next_value = rewards.new_zeros(B)
+    last_gae = rewards.new_zeros(B)
+    advantages_reversed = []
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = mask[:, t] * values[:, t] + (1 - mask[:, t]) * next_value
+        last_gae = mask[:, t] * gae_t + (1 - mask[:, t]) * last_gae
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = advantages + values
+    if whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return advantages, returns
+
+
+def _groups(rewards: Tensor, group_size: int | None, group_ids: Tensor | None) -> list[Tensor]:
+    """The indices of each group: contiguous blocks of group_size, or equal group_ids."""
+    B = rewards.shape[0]
+    if group_ids is not None:
+        return [torch.nonzero(group_ids == g).flatten() for g in torch.unique(group_ids)]
+    if group_size is None or group_size < 1 or B % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} must be an int >= 1 that divides the batch size {B}"
+        )
+    return [torch.arange(s, s + group_size) for s in range(0, B, group_size)]
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int | None = None,
+    group_ids: Tensor | None = None,
+    scale: str = "group",
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """Outcome advantages from per-response rewards (B,) grouped by prompt (SPEC 7).
+
+    grpo: (R - μ_g) / (σ_g + eps) (`scale="group"`), σ of the batch (`"batch"`), or no division
+    (`"none"`, Dr.GRPO). rloo: n/(n-1)·(R - μ_g), divided the same way. reinforce++: R - μ_g,
+    broadcast over the token `mask` (B, T) and whitened over the batch's tokens when a mask is
+    given (`scale` is not used). Groups of one and all-equal groups give 0."""
+    rewards = rewards.float()
+    centered = torch.zeros_like(rewards)
+    group_std = torch.zeros_like(rewards)
+    for idx in _groups(rewards, group_size, group_ids):
+        r = rewards[idx]
+        n = len(idx)
+        if n == 1:
+            continue  # a group of one has no baseline: A = 0
+        centered[idx] = r - r.mean()
+        if estimator == "rloo":
+            centered[idx] = centered[idx] * n / (n - 1)
+        group_std[idx] = r.std()  # unbiased
+    if estimator == "reinforce++":
+        if mask is None:
+            return centered
+        return whiten(centered[:, None].expand(mask.shape), mask)
+    if estimator not in ("grpo", "rloo"):
+        raise ValueError(f"unknown estimator {estimator!r}; expected grpo, rloo or reinforce++")
+    if scale == "none":
+        return centered
+    if scale == "group":
+        return centered / (group_std + eps)
+    if scale == "batch":
+        batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        return centered / (batch_std + eps)
+    raise ValueError(f"unknown scale {scale!r}; expected group, batch or none")
+
+
+# --------------------------------------------------------------------------- DAPO
+def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (SPEC 9), added to the reward. lengths (B,) -> (B,)."""
+    expected_len = max_len - cache_len
+    penalty = []
+    for length in lengths.tolist():
+        if length <= expected_len:
+            penalty.append(0.0)
+        elif length <= max_len:
+            penalty.append((expected_len - length) / cache_len * factor)
+        else:
+            penalty.append(-factor)
+    return torch.tensor(penalty, dtype=torch.float32)
+
+
+def dynamic_sampling_filter(rewards: Tensor, group_size: int) -> Tensor:
+    """Indices of the groups whose rewards are not all equal (SPEC 9). rewards (B,) -> (K,)."""
+    kept = []
+    for g, idx in enumerate(_groups(rewards, group_size, None)):
+        r = rewards[idx]
+        if not torch.all(r == r[0]):
+            kept.append(g)
+    return torch.tensor(kept, dtype=torch.long)
