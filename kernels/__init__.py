@@ -1,7 +1,6 @@
-"""Triton kernels and their launchers (installed as `fastrl.kernels`). No autograd here."""
+"""Triton kernels and their launchers, installed as `fastrl.kernels`. No autograd here.
 
-if __name__ == "kernels":  # imported as a top-level package (e.g. `python` run from the repo root)
-    raise ImportError(
-        "this folder is fastrl's Triton code and installs as `fastrl.kernels`; it is not the "
-        "top-level `kernels` package (import fastrl.kernels instead)"
-    )
+This package must stay cheap and side-effect free to import, and must not define `__version__`:
+when Python runs from the repository root, transformers' probe for the unrelated top-level
+`kernels` project finds this folder, imports it, sees no version and (correctly) moves on.
+"""
