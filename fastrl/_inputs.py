@@ -1,4 +1,4 @@
-"""Input checking and canonical shapes for the policy loss, shared by the reference and the fused path.
+"""Input checking and canonical shapes for the policy loss (shared by reference and fused path).
 
 Every public loss accepts either sequence-shaped inputs (logits (B, T, V), tokens (B, T)) or
 flat ones (logits (N, V), tokens (N,)). Both are brought to the (B, T) form here, as views (the
@@ -173,7 +173,9 @@ def prepare_policy_inputs(
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logp (the reference log-probs)")
     if cfg.rollout_is is not None and rollout_logp is None:
-        raise ValueError(f"rollout_is={cfg.rollout_is!r} needs rollout_logp (the sampler's log-probs)")
+        raise ValueError(
+            f"rollout_is={cfg.rollout_is!r} needs rollout_logp (the sampler's log-probs)"
+        )
     if cfg.rollout_is is None and rollout_logp is not None:
         raise ValueError(
             "rollout_logp was given but rollout_is is None: set rollout_is='token' or 'sequence' "
@@ -192,6 +194,15 @@ def prepare_policy_inputs(
                 f"not flat logits {(T, logits.shape[-1])}"
             )
     return PolicyInputs(
-        logits, tokens, advantages.float(), old_logp, ref_logp, rollout_logp, mask, flat, cfg,
-        num_tokens, num_seqs,
+        logits,
+        tokens,
+        advantages.float(),
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        mask,
+        flat,
+        cfg,
+        num_tokens,
+        num_seqs,
     )

@@ -132,7 +132,15 @@ def policy_loss(
     logits (B, T, V) or (N, V); tokens (B, T) or (N,); advantages (B,), (B, T) or (N,);
     old_logp / ref_logp / rollout_logp / mask like tokens."""
     x = prepare_policy_inputs(
-        logits, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        mask,
+        rollout_logp,
+        config,
+        overrides,
         check_range=True,
     )
     cfg = x.config
@@ -156,7 +164,9 @@ def policy_loss(
     # SPEC 2: the per-token policy term
     dual_clipped = torch.zeros_like(mask)
     if cfg.policy == "ppo":
-        unclipped_ratio = ratio if cfg.clip_delta is None else torch.clamp(ratio, max=cfg.clip_delta)
+        unclipped_ratio = (
+            ratio if cfg.clip_delta is None else torch.clamp(ratio, max=cfg.clip_delta)
+        )
         pg_loss1 = -A * unclipped_ratio
         pg_loss2 = -A * clipped_ratio
         pg_loss = torch.maximum(pg_loss1, pg_loss2)
@@ -204,9 +214,7 @@ def policy_loss(
 
     # SPEC 5: per-token total, then one aggregation
     per_token_loss = pg_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy
-    loss = aggregate(
-        per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len
-    )
+    loss = aggregate(per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
 
     with torch.no_grad():
         clipfrac_high = ((A > 0) & (ratio > 1 + cfg.clip_high)).float()
@@ -321,17 +329,21 @@ def group_advantages(
     rewards: Tensor,
     group_size: int | None = None,
     group_ids: Tensor | None = None,
-    scale: str = "group",
+    scale: str | None = None,
     estimator: str = "grpo",
     eps: float = 1e-6,
     mask: Tensor | None = None,
 ) -> Tensor:
     """Outcome advantages from per-response rewards (B,) grouped by prompt (SPEC 7).
 
-    grpo: (R - μ_g) / (σ_g + eps) (`scale="group"`), σ of the batch (`"batch"`), or no division
-    (`"none"`, Dr.GRPO). rloo: n/(n-1)·(R - μ_g), divided the same way. reinforce++: R - μ_g,
-    broadcast over the token `mask` (B, T) and whitened over the batch's tokens when a mask is
-    given (`scale` is not used). Groups of one and all-equal groups give 0."""
+    grpo: (R - μ_g) / (σ_g + eps) (`scale="group"`, the default), σ of the batch (`"batch"`),
+    or no division (`"none"`, Dr.GRPO). rloo: n/(n-1)·(R - μ_g), SPEC's leave-one-out baseline
+    (`scale` defaults to `"none"` for it; `"group"` / `"batch"` divide as for grpo).
+    reinforce++: R - μ_g, whitened over the batch: over the tokens of `mask` (B, T) when given
+    (returns (B, T)), else over the B responses (`scale` must be None).
+    Groups of one and all-equal groups give 0."""
+    if scale is None:
+        scale = {"grpo": "group", "rloo": "none", "reinforce++": "batch"}.get(estimator)
     rewards = rewards.float()
     centered = torch.zeros_like(rewards)
     group_std = torch.zeros_like(rewards)
@@ -346,7 +358,7 @@ def group_advantages(
         group_std[idx] = r.std()  # unbiased
     if estimator == "reinforce++":
         if mask is None:
-            return centered
+            return whiten(centered)
         return whiten(centered[:, None].expand(mask.shape), mask)
     if estimator not in ("grpo", "rloo"):
         raise ValueError(f"unknown estimator {estimator!r}; expected grpo, rloo or reinforce++")

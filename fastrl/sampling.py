@@ -1,16 +1,199 @@
-"""Rollout sampler. (Placeholder until issue 4 lands.)"""
+"""Rollout sampler (SPEC 10): token, log-prob and entropy of each row from one pass.
+
+`sample(logits, temperature, top_k, top_p, generator)` draws y ~ softmax(z / τ) by the Gumbel-max
+trick, y = argmax_j (z'_j + G_j), and returns logp_y = z'_y - lse and H = lse - Σ p z' computed
+in the same pass. With top-k / top-p the distribution sampled is the truncated, renormalised one
+(tokens outside the support get z' = -inf; this needs a sort: a second pass), and logp / entropy
+are under it. temperature = 0 is greedy: argmax token, logp and entropy under τ = 1 (top-k /
+top-p do not change the argmax and are ignored then).
+
+Backends: CUDA tensors -> the Triton kernel of `fastrl.kernels.sampling` (Philox noise keyed by a
+seed drawn from `generator` on the device: no host sync); CPU tensors -> PyTorch, chunked over
+rows (uniform noise drawn from `generator`); FASTRL_BACKEND=triton runs the kernel on CPU tensors
+(with TRITON_INTERPRET=1). The same seed gives the same tokens on the same device and backend;
+the two backends draw different noise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
 
 import torch
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
+_PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
 
 
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    z = logits.float()
-    if temperature == 0:
-        tokens = z.argmax(-1)
-        logp_all = torch.log_softmax(z, -1)
-    else:
-        logp_all = torch.log_softmax(z / temperature, -1)
-        tokens = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
-    logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+def _use_triton(logits: Tensor) -> bool:
+    backend = os.environ.get("FASTRL_BACKEND", "").lower()
+    if backend == "triton":
+        return True
+    if backend == "torch":
+        return False
+    return logits.is_cuda
+
+
+def _validate(logits, temperature, top_k, top_p, generator) -> None:
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in _FLOAT_DTYPES:
+        got = (
+            f"shape {tuple(logits.shape)} and dtype {logits.dtype}"
+            if isinstance(logits, Tensor)
+            else type(logits).__name__
+        )
+        raise ValueError(f"logits must be a float tensor of shape (N, V), got {got}")
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}; expected a vocabulary V >= 1")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(
+            f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}"
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator)}")
+
+
+def _keep_sorted(sorted_z: Tensor, top_k, top_p, lse: Tensor | None = None) -> Tensor:
+    """Which of the candidates sorted_z (N, K) (descending) stay in the support (N, K) bool.
+
+    Probabilities are softmax over the kept top-k candidates, or exp(z - lse) when the full
+    log-normaliser `lse` (N,) is given (the candidates are then a prefix of the whole row)."""
+    keep = torch.ones_like(sorted_z, dtype=torch.bool)
+    if top_k is not None and top_k < sorted_z.shape[1]:
+        keep[:, top_k:] = False
+    if top_p is not None and top_p < 1:
+        if lse is None:
+            probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=-1)
+        else:
+            probs = torch.exp(sorted_z - lse[:, None])
+        mass_before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        keep &= mass_before < top_p
+        keep[:, 0] = True
+    return keep
+
+
+def truncate_logits(
+    z: Tensor, top_k: int | None, top_p: float | None, partial: bool | None = None
+) -> Tensor:
+    """z (N, V) fp32 scaled logits -> a copy with -inf outside the top-k / top-p support.
+
+    top-k keeps the k largest; top-p then keeps the smallest prefix of the (top-k renormalised)
+    distribution, sorted by decreasing probability, whose mass reaches top_p (the token that
+    crosses top_p is kept; the most likely token always is).
+
+    A full sort of every row is the general path. With `partial` (default: on CPU tensors, where
+    sorting V = 150k is slow), only the _PARTIAL_SORT largest are sorted (torch.topk) when that is
+    exact: top_k <= _PARTIAL_SORT, or (no top_k) those candidates already hold top_p of the mass
+    in every row (checked on the data: a host read, hence CPU only by default)."""
+    N, V = z.shape
+    neg_inf = float("-inf")
+    K0 = _PARTIAL_SORT
+    if partial is None:
+        partial = z.device.type == "cpu"
+    if partial and V > K0:
+        if top_k is not None and top_k <= K0:
+            vals, idx = torch.topk(z, top_k, dim=-1)  # (N, k) descending
+            keep = _keep_sorted(vals, None, top_p)
+            return torch.full_like(z, neg_inf).scatter_(1, idx, vals.masked_fill(~keep, neg_inf))
+        if top_k is None and top_p is not None and top_p < 1:
+            vals, idx = torch.topk(z, K0, dim=-1)
+            lse = torch.logsumexp(z, dim=-1)
+            if bool((torch.exp(vals - lse[:, None]).sum(-1) >= top_p).all()):
+                keep = _keep_sorted(vals, None, top_p, lse)
+                out = torch.full_like(z, neg_inf)
+                return out.scatter_(1, idx, vals.masked_fill(~keep, neg_inf))
+    sorted_z, order = torch.sort(z, dim=-1, descending=True)  # (N, V)
+    keep = _keep_sorted(sorted_z, top_k, top_p)
+    keep_unsorted = torch.empty_like(keep).scatter_(1, order, keep)
+    return z.masked_fill(~keep_unsorted, neg_inf)
+
+
+def _sample_torch(logits: Tensor, temperature: float, greedy: bool, top_k, top_p, generator):
+    """PyTorch path, rows in chunks (bounded fp32 temporaries, truncation included).
+
+    Gumbel-max with G = -log(-log U), U ~ U[0, 1) from `generator` (U = 0 gives G = -inf: that
+    token cannot win, an event of probability 2^-24 per entry)."""
+    N, V = logits.shape
+    dev = logits.device
+    tokens = torch.empty(N, dtype=torch.int64, device=dev)
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    entropy = torch.empty(N, dtype=torch.float32, device=dev)
+    truncate = (top_k is not None and top_k < V) or (top_p is not None and top_p < 1)
+    rows = max(1, _CHUNK_ELEMENTS // V)
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        z = logits[s:e].float()
+        if temperature != 1.0:
+            z = z / temperature
+        if truncate:
+            z = truncate_logits(z, top_k, top_p)
+        lse = torch.logsumexp(z, dim=-1)  # (n,)
+        p = torch.exp(z - lse[:, None])
+        pz = p.mul_(z.masked_fill(z == float("-inf"), 0.0) if truncate else z)  # no 0 * -inf
+        entropy[s:e] = lse - pz.sum(-1)
+        del p, pz
+        if greedy:
+            tok = z.argmax(-1)
+        else:
+            gumbel = torch.rand(z.shape, generator=generator, device=dev)
+            gumbel.log_().neg_().log_()  # log E = -G, E = -log U ~ Exp(1)
+            tok = (z - gumbel).argmax(-1)
+        tokens[s:e] = tok
+        logp[s:e] = z.gather(1, tok[:, None]).squeeze(1) - lse
     return tokens, logp, entropy
+
+
+def _draw_seed(generator, device) -> Tensor:
+    """A (1,) int64 Philox key on `device`, drawn from `generator` on the generator's device."""
+    gen_device = generator.device if generator is not None else device
+    seed = torch.randint(0, 2**62, (1,), generator=generator, device=gen_device, dtype=torch.int64)
+    return seed.to(device, non_blocking=True)
+
+
+def sample(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sample one token per row of logits (N, V) (any float dtype, any strides).
+
+    Returns tokens (N,) int64, logp (N,) fp32 (log-prob of the token under the distribution
+    sampled) and entropy (N,) fp32 (of that distribution). See the module docstring."""
+    _validate(logits, temperature, top_k, top_p, generator)
+    greedy = temperature == 0
+    truncate = not greedy and (
+        (top_k is not None and top_k < logits.shape[1]) or (top_p is not None and top_p < 1)
+    )
+    temperature = 1.0 if greedy else float(temperature)
+    if not _use_triton(logits):
+        if not truncate:
+            top_k = top_p = None
+        return _sample_torch(logits, temperature, greedy, top_k, top_p, generator)
+    z = logits
+    if truncate:  # the (N, V) truncated copy (fp32) for the kernel
+        z = truncate_logits(logits.float() / temperature, top_k, top_p)
+        temperature = 1.0
+    from .kernels.sampling import sample_rows
+
+    if greedy:
+        seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    else:
+        seed = _draw_seed(generator, logits.device)
+    return sample_rows(z, seed, temperature, greedy)
+
+
+__all__ = ["sample", "truncate_logits"]

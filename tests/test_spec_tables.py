@@ -486,12 +486,25 @@ def test_group_degenerate(impl, estimator, scale):
     # all-equal group -> 0; a group of one (by id) -> 0; never NaN
     R = torch.tensor([2.0, 2.0, 2.0, 1.0, 3.0])
     ids = torch.tensor([0, 0, 0, 1, 2])
+    scale = None if estimator == "reinforce++" else scale  # reinforce++ whitens over the batch
     adv = impl.group_advantages(R, group_ids=ids, scale=scale, estimator=estimator)
     close(adv, [0.0] * 5)
     adv = impl.group_advantages(
         torch.full((4,), 7.0), group_size=2, scale=scale, estimator=estimator
     )
     close(adv, [0.0] * 4)
+
+
+def test_rloo_default_is_spec_leave_one_out(impl):
+    # SPEC 7: A_i = R_i - mean_{j != i} R_j, no division by sigma unless asked for
+    R = torch.tensor([0.0, 1.0, 5.0, 5.0, 6.0, 10.0])
+    close(impl.group_advantages(R, group_size=3, estimator="rloo"), [-3, -1.5, 4.5, -3, -1.5, 4.5])
+
+
+def test_reinforce_pp_without_mask_whitens_over_responses(impl):
+    R = torch.tensor([1.0, 3.0, 2.0, 2.0])  # R - mu_g = -1, 1, 0, 0: mean 0, unbiased var 2/3
+    sd = math.sqrt(2 / 3 + 1e-8)
+    close(impl.group_advantages(R, group_size=2, estimator="reinforce++"), [-1 / sd, 1 / sd, 0, 0])
 
 
 def test_reinforce_pp(impl):

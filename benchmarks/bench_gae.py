@@ -1,0 +1,180 @@
+"""Benchmark: fastrl.gae against the per-step Python loop that verl-style trainers run.
+
+    python benchmarks/bench_gae.py                   # CPU: B=512, T=8192, fp32, 1 thread
+    python benchmarks/bench_gae.py --device cuda     # Triton reverse scan
+    python benchmarks/bench_gae.py --help
+
+Workload: rewards / values (B, T) fp32, a response mask with random lengths (trailing padding)
+and ~10% masked tokens inside the responses (tool output), γ = 1, λ = 0.95, advantages whitened
+over the counted tokens on both sides. Methods:
+  python-loop   for t = T-1 .. 0 over (B,) slices, then masked whitening (written here)
+  fastrl.gae    CPU: the blocked closed-form scan; CUDA: the Triton kernel (check=False: no
+                NaN check, so no host sync)
+Reported: median and q20/q80 time (ms), speedup of the median over the loop, peak memory of one
+call above the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
+benchmarks/_common.py; CUDA: max_memory_allocated). On CPU the threads are pinned (--threads,
+default 1) because the machine is shared; the loop's (B,)-sized ops are single-threaded anyway.
+Results: benchmarks/results/bench_gae_<device>.{json,csv,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    device_info,
+    peak_memory,
+    plot_bars,
+    time_fn,
+    write_results,
+)
+
+import fastrl  # noqa: E402
+
+
+def loop_gae(rewards, values, mask, gamma, lam):
+    """The per-step loop (verl's masked form), then masked whitening (unbiased variance)."""
+    B, T = rewards.shape
+    next_value = torch.zeros(B, device=rewards.device)
+    last_gae = torch.zeros(B, device=rewards.device)
+    reversed_adv = []
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+        last_gae = gae_t * mask[:, t] + (1 - mask[:, t]) * last_gae
+        reversed_adv.append(last_gae)
+    adv = torch.stack(reversed_adv[::-1], dim=1)
+    returns = adv + values
+    count = mask.sum()
+    mean = (adv * mask).sum() / count
+    var = ((adv - mean) ** 2 * mask).sum() / (count - 1)
+    return (adv - mean) * torch.rsqrt(var + 1e-8), returns
+
+
+def make_inputs(B, T, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g)
+    values = torch.randn(B, T, generator=g)
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]) & (torch.rand(B, T, generator=g) > 0.1)
+    return rewards.to(device), values.to(device), mask.to(device)
+
+
+def methods(args):
+    gamma, lam = 1.0, 0.95
+    return {
+        "python-loop": lambda r, v, m: loop_gae(r, v, m.float(), gamma, lam),
+        "fastrl.gae": lambda r, v, m: fastrl.gae(r, v, m, gamma, lam, check=False),
+    }
+
+
+def memory_child(args) -> None:
+    """Run in a child process: print {method: peak bytes} as JSON."""
+    torch.set_num_threads(args.threads)
+    r, v, m = make_inputs(args.B, args.T, args.device)
+    out = {}
+    for name, fn in methods(args).items():
+        if name == "python-loop" and args.skip_loop:
+            continue
+        out[name] = peak_memory(lambda fn=fn: fn(r, v, m), args.device)["bytes"]
+    print(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--B", type=int, default=512)
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--rep", type=int, default=None, help="timed calls (CPU) / ms (CUDA)")
+    p.add_argument("--loop-rep", type=int, default=3, help="timed calls of the slow loop (CPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--skip-loop", action="store_true")
+    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_child:
+        return memory_child(args)
+    cuda = torch.device(args.device).type == "cuda"
+    torch.set_num_threads(args.threads)
+    r, v, m = make_inputs(args.B, args.T, args.device)
+
+    # agreement check (not timed)
+    adv, ret = fastrl.gae(r, v, m, 1.0, 0.95, check=False)
+    if not args.skip_loop:
+        ref_adv, ref_ret = loop_gae(r, v, m.float(), 1.0, 0.95)
+        max_err = (adv - ref_adv).abs().max().item()
+    else:
+        max_err = None
+
+    if cuda:
+        peaks = {
+            name: peak_memory(lambda fn=fn: fn(r, v, m), args.device)["bytes"]
+            for name, fn in methods(args).items()
+            if not (name == "python-loop" and args.skip_loop)
+        }
+    else:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        child = [sys.executable, __file__, "--memory-child", "--device", args.device]
+        child += ["--B", str(args.B), "--T", str(args.T), "--threads", str(args.threads)]
+        child += ["--skip-loop"] if args.skip_loop else []
+        res = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
+        peaks = json.loads(res.stdout.strip().splitlines()[-1])
+
+    rows = []
+    for name, fn in methods(args).items():
+        if name == "python-loop" and args.skip_loop:
+            continue
+        slow = name == "python-loop"
+        if cuda:
+            t = time_fn(lambda fn=fn: fn(r, v, m), 25, args.rep or (500 if slow else 100), "cuda")
+        else:
+            t = time_fn(lambda fn=fn: fn(r, v, m), 1, args.loop_rep if slow else (args.rep or 10))
+        rows.append(
+            {
+                "method": name,
+                "B": args.B,
+                "T": args.T,
+                "median_ms": round(t["median"], 3),
+                "q20_ms": round(t["q20"], 3),
+                "q80_ms": round(t["q80"], 3),
+                "peak_MB": round(peaks[name] / 2**20, 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    base = next((row["median_ms"] for row in rows if row["method"] == "python-loop"), None)
+    for row in rows:
+        row["speedup_vs_loop"] = round(base / row["median_ms"], 2) if base else None
+    meta = device_info(args.device)
+    meta.update(
+        torch_threads=torch.get_num_threads(),
+        gamma=1.0,
+        lam=0.95,
+        counted_fraction=round(m.float().mean().item(), 3),
+        max_abs_err_vs_loop=max_err,
+        memory_method="CUDA max_memory_allocated delta"
+        if cuda
+        else "RSS high-water mark delta in a child with MALLOC_MMAP_THRESHOLD_=65536",
+    )
+    name = f"bench_gae_{torch.device(args.device).type}"
+    paths = write_results(name, rows, meta)
+    png = plot_bars(
+        RESULTS_DIR / f"{name}.png",
+        rows,
+        "method",
+        [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")],
+        title=f"GAE B={args.B} T={args.T} on {meta['device_name']} ({meta['torch_threads']} thr)",
+    )
+    print(json.dumps({**paths, "png": png, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""PPO's clipped value (critic) loss, SPEC 8. Re-exported by `fastrl.losses` as `value_loss`.
+
+    v_clip = v_old + clamp(v - v_old, -ε_v, ε_v)
+    L_V = ½ · agg(max((v - G)², (v_clip - G)²)),  vf_clipfrac = share of counted tokens where
+    the clipped term is the larger one.
+
+Elementwise work on (B, T) tensors in PyTorch (there is no vocabulary dimension to fuse over);
+no host sync, so it is safe inside a compiled or CUDA-graphed step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _aggregate(loss_mat: Tensor, mask: Tensor, agg: str, max_len: int | None) -> Tensor:
+    """One scalar from per-token losses (B, T) and mask (B, T), SPEC 5 (local counts)."""
+    B, T = loss_mat.shape
+    total = (loss_mat * mask).sum()
+    if agg == "token-mean":
+        count = mask.sum()
+        return total / torch.where(count > 0, count, 1.0)  # an empty batch gives 0, not NaN
+    if agg == "seq-mean-token-mean":
+        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / B
+    if agg == "seq-mean-token-sum":
+        return total / B
+    return total / (B * (T if max_len is None else max_len))  # seq-mean-token-sum-norm
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor | None = None,
+    clip: float | None = 0.2,
+    agg: str = "token-mean",
+    max_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss (SPEC 8). Returns (loss, vf_clipfrac), both 0-dim fp32.
+
+    values (B, T) or (N,), differentiable; old_values, returns like values (detached inputs);
+    mask like values, bool or float (None = all count). `clip` = ε_v (None = no clipping).
+    `agg` is one of the four SPEC 5 aggregations; the `seq-mean-*` ones need (B, T) inputs.
+    `max_len` is the constant of seq-mean-token-sum-norm (default T)."""
+    if (
+        not isinstance(values, Tensor)
+        or not values.is_floating_point()
+        or values.dim() not in (1, 2)
+    ):
+        got = (
+            f"shape {tuple(values.shape)} and dtype {values.dtype}"
+            if isinstance(values, Tensor)
+            else type(values).__name__
+        )
+        raise ValueError(f"values must be a float tensor of shape (B, T) or (N,), got {got}")
+    shape = tuple(values.shape)
+    for name, x in (("old_values", old_values), ("returns", returns)):
+        if not isinstance(x, Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
+            got = (
+                f"shape {tuple(x.shape)} and dtype {x.dtype}"
+                if isinstance(x, Tensor)
+                else type(x).__name__
+            )
+            raise ValueError(
+                f"{name} must be a float tensor of shape {shape} (like values), got {got}"
+            )
+        if x.device != values.device:
+            raise ValueError(f"{name} is on {x.device}; expected {values.device} (like values)")
+    if mask is not None:
+        if (
+            not isinstance(mask, Tensor)
+            or tuple(mask.shape) != shape
+            or not (mask.dtype == torch.bool or mask.is_floating_point())
+            or mask.device != values.device
+        ):
+            got = (
+                f"shape {tuple(mask.shape)}, dtype {mask.dtype} on {mask.device}"
+                if isinstance(mask, Tensor)
+                else type(mask).__name__
+            )
+            raise ValueError(
+                f"mask must be a bool or float tensor of shape {shape} on {values.device}, "
+                f"got {got}"
+            )
+    if clip is not None and (
+        isinstance(clip, bool)
+        or not isinstance(clip, (int, float))
+        or not clip >= 0
+        or not math.isfinite(clip)
+    ):
+        raise ValueError(f"clip must be a finite float >= 0 or None, got {clip!r}")
+    if agg not in AGGS:
+        raise ValueError(f"agg={agg!r}; expected one of {AGGS}")
+    if values.dim() == 1 and agg != "token-mean":
+        raise ValueError(f"agg={agg!r} needs sequences: pass values of shape (B, T), not {shape}")
+    if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be an int >= 1 or None, got {max_len!r}")
+
+    v = values.float() if values.dim() == 2 else values.float().unsqueeze(0)  # (B, T)
+    v_old = old_values.float().reshape(v.shape)
+    ret = returns.float().reshape(v.shape)
+    m = torch.ones_like(v) if mask is None else mask.reshape(v.shape).float()
+    if clip is None:
+        v_clip = v
+    else:
+        v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
+    loss1 = (v - ret).square()
+    loss2 = (v_clip - ret).square()
+    loss = 0.5 * _aggregate(torch.maximum(loss1, loss2), m, agg, max_len)
+    with torch.no_grad():
+        count = m.sum()
+        clipped = ((loss2 > loss1).float() * m).sum()
+        vf_clipfrac = torch.where(count > 0, clipped / count.clamp(min=1e-20), 0.0)
+    return loss, vf_clipfrac
+
+
+__all__ = ["value_loss"]

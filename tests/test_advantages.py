@@ -1,0 +1,322 @@
+"""GAE, group advantages, whitening and the DAPO helpers against SPEC 7 / 9 and the reference."""
+
+import math
+
+import pytest
+import torch
+
+import fastrl
+from fastrl import reference as ref
+from fastrl.advantages import _gae_torch
+
+# input dtype -> (atol, rtol) of the unwhitened advantages against the fp32 oracles
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 2e-5)}  # both compare on the same inputs
+
+
+def spec_gae_loop(rewards, values, mask, gamma, lam):
+    """SPEC 7 literally: one sequence at a time, one step at a time, Python floats."""
+    B, T = len(rewards), len(rewards[0])
+    out = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        next_v = last = 0.0
+        for t in range(T - 1, -1, -1):
+            r, v, m = rewards[b][t], values[b][t], mask[b][t]
+            delta = r + gamma * next_v - v
+            a = delta + gamma * lam * last
+            next_v = m * v + (1 - m) * next_v
+            last = m * a + (1 - m) * last
+            out[b][t] = last
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _inputs(B, T, density, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g).to(dtype)
+    values = torch.randn(B, T, generator=g).to(dtype)
+    mask = torch.rand(B, T, generator=g) < density
+    return rewards, values, mask
+
+
+GAMMA_LAM = [(1.0, 1.0), (0.99, 0.95), (1.0, 0.9), (0.9, 0.5), (0.5, 0.1), (1.0, 0.0), (0.0, 1.0)]
+
+
+@pytest.mark.parametrize("gamma,lam", GAMMA_LAM)
+@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("density", [1.0, 0.6, 0.0])
+def test_gae_matches_spec_loop(gamma, lam, T, density):
+    rewards, values, mask = _inputs(3, T, density, seed=T)
+    adv, ret = fastrl.gae(rewards, values, mask, gamma, lam, whiten=False)
+    expected = spec_gae_loop(rewards.tolist(), values.tolist(), mask.float().tolist(), gamma, lam)
+    scale = 1 + expected.abs().max().item()
+    torch.testing.assert_close(adv.double(), expected, atol=2e-6 * scale, rtol=0)
+    torch.testing.assert_close(ret.double(), expected + values.double(), atol=2e-6 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.7, 0.3)])
+def test_gae_long_sequence(gamma, lam):
+    """T = 4097 (several scan blocks, odd length) against the loop and the reference."""
+    rewards, values, mask = _inputs(2, 4097, 0.8, seed=1)
+    adv, ret = fastrl.gae(rewards, values, mask, gamma, lam, whiten=False)
+    expected = spec_gae_loop(rewards.tolist(), values.tolist(), mask.float().tolist(), gamma, lam)
+    scale = 1 + expected.abs().max().item()
+    torch.testing.assert_close(adv.double(), expected, atol=1e-6 * scale, rtol=0)
+    ref_adv, ref_ret = ref.gae(rewards, values, mask, gamma, lam, False)
+    torch.testing.assert_close(adv, ref_adv, atol=2e-6 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("gamma,lam,T", [(0.5, 0.5, 6000), (1.0, 1.0, 2000)])
+def test_gae_block_chaining_paths(gamma, lam, T):
+    """Short blocks (c = 0.25: L = 6, > 1024 blocks chained by shifted adds) and long ones
+    (c = 1: L = 256, chained by the matmul)."""
+    rewards, values, mask = _inputs(2, T, 0.9, seed=2)
+    expected, _ = ref.gae(rewards, values, mask, gamma, lam, False)
+    adv, _ = fastrl.gae(rewards, values, mask, gamma, lam, whiten=False)
+    scale = 1 + expected.abs().max().item()
+    torch.testing.assert_close(adv, expected, atol=2e-6 * scale, rtol=0)
+
+
+def test_chain_blocks_strategies_agree():
+    from fastrl.advantages import _chain_blocks
+
+    totals = torch.randn(3, 40, dtype=torch.float64)
+    for decay in (1.0, 0.9, 1e-3, 0.0):
+        loop = _chain_blocks(totals, decay, None)  # shifted adds when decay < 0.01
+        k = torch.arange(40)
+        gap = (k[:, None] - k[None, :]).double()
+        chain = torch.where(gap >= 0, decay ** gap.clamp(min=0), 0.0)
+        torch.testing.assert_close(_chain_blocks(totals, decay, chain), loop)
+        expected = torch.zeros_like(totals)
+        carry = torch.zeros(3, dtype=torch.float64)
+        for b in range(39, -1, -1):
+            carry = totals[:, b] + decay * carry
+            expected[:, b] = carry
+        torch.testing.assert_close(loop, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.9), (0.5, 0.2)])
+def test_gae_whitened_matches_reference(dtype, gamma, lam):
+    rewards, values, mask = _inputs(5, 130, 0.7, dtype)
+    mask[2] = False  # a fully masked row
+    adv, ret = fastrl.gae(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = ref.gae(rewards, values, mask, gamma, lam)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(adv, ref_adv, atol=10 * atol, rtol=10 * rtol)
+    torch.testing.assert_close(ret, ref_ret, atol=atol * 10, rtol=rtol)
+    assert adv.dtype == ret.dtype == torch.float32
+    counted = adv[mask]
+    assert abs(counted.mean().item()) < 1e-5
+    assert abs(counted.std().item() - 1) < 1e-4
+
+
+def test_gae_float_mask_and_chunking():
+    """A 0/1 float mask, and every row-chunk size, give the same result."""
+    rewards, values, mask = _inputs(7, 50, 0.5)
+    expected, _ = ref.gae(rewards, values, mask, 0.99, 0.95, False)
+    for rows in (1, 3, 7):
+        adv, _ = _gae_torch(rewards, values, mask.float(), 0.99, 0.95, rows_per_chunk=rows)
+        torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gae_fractional_mask_matches_reference():
+    rewards, values, _ = _inputs(3, 20, 1.0)
+    mask = torch.rand(3, 20)
+    adv, ret = fastrl.gae(rewards, values, mask, 0.99, 0.95)
+    ref_adv, ref_ret = ref.gae(rewards, values, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv, ref_adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, ref_ret, atol=1e-5, rtol=1e-5)
+
+
+def test_gae_empty_mask_is_finite():
+    rewards, values, _ = _inputs(2, 9, 1.0)
+    adv, ret = fastrl.gae(rewards, values, torch.zeros(2, 9, dtype=torch.bool))
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    ref_adv, _ = ref.gae(rewards, values, torch.zeros(2, 9))
+    torch.testing.assert_close(adv, ref_adv)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rewards=torch.zeros(2, 3), values=torch.zeros(2, 4)), "values"),
+        (dict(rewards=torch.zeros(6), values=torch.zeros(6)), "rewards"),
+        (dict(mask=torch.ones(2, 4)), "mask"),
+        (dict(rewards=torch.tensor([[0.0, math.nan, 1.0]])), "rewards"),
+        (dict(values=torch.tensor([[0.0, math.nan, 1.0]])), "values"),
+        (dict(gamma=1.5), "gamma"),
+        (dict(lam=-0.1), "lam"),
+        (dict(rewards=torch.zeros(1, 3, dtype=torch.int64)), "rewards"),
+    ],
+)
+def test_gae_bad_input(kwargs, match):
+    args = dict(rewards=torch.zeros(1, 3), values=torch.zeros(1, 3), mask=torch.ones(1, 3))
+    args.update(kwargs)
+    if "mask" not in kwargs:
+        args["mask"] = torch.ones(args["rewards"].shape[:2] if args["rewards"].dim() > 1 else 1)
+    with pytest.raises(ValueError, match=match):
+        fastrl.gae(**args)
+
+
+# --------------------------------------------------------------------------- Triton GAE kernel
+@pytest.mark.parametrize("T,block_t", [(1, 16), (13, 16), (50, 16), (70, 32)])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_kernel_interpreter(T, block_t, gamma, lam):
+    """The Triton reverse scan (interpreter on CPU), several blocks per row."""
+    from fastrl.kernels.gae import gae_scan
+
+    rewards, values, mask = _inputs(3, T, 0.6, seed=T)
+    mask[0] = True
+    adv = gae_scan(rewards, values, mask.float(), gamma, lam, block_t=block_t)
+    expected = spec_gae_loop(rewards.tolist(), values.tolist(), mask.float().tolist(), gamma, lam)
+    torch.testing.assert_close(adv.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gae_triton_backend_end_to_end(monkeypatch):
+    monkeypatch.setenv("FASTRL_BACKEND", "triton")
+    rewards, values, mask = _inputs(2, 40, 0.7, dtype=torch.bfloat16)
+    adv, ret = fastrl.gae(rewards, values, mask, 0.99, 0.95)
+    ref_adv, ref_ret = ref.gae(rewards, values, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv, ref_adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, ref_ret, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 1000, 32768])
+def test_gae_cuda(T):
+    rewards, values, mask = (x.cuda() for x in _inputs(4, T, 0.8))
+    adv, ret = fastrl.gae(rewards, values, mask, 0.99, 0.95)
+    ref_adv, ref_ret = ref.gae(rewards.cpu(), values.cpu(), mask.cpu(), 0.99, 0.95)
+    torch.testing.assert_close(adv.cpu(), ref_adv, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ret.cpu(), ref_ret, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- whitening
+@pytest.mark.parametrize("n_counted", [0, 1, 2, 17])
+def test_whiten_matches_reference(n_counted):
+    x = torch.randn(4, 5)
+    mask = torch.zeros(20, dtype=torch.bool)
+    mask[:n_counted] = True
+    mask = mask.view(4, 5)
+    out = fastrl.whiten(x, mask)
+    torch.testing.assert_close(out, ref.whiten(x, mask))
+    torch.testing.assert_close(fastrl.whiten(x), ref.whiten(x))
+    torch.testing.assert_close(
+        fastrl.whiten(x, mask, shift_mean=False), ref.whiten(x, mask, shift_mean=False)
+    )
+    assert torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------- group advantages
+REWARDS = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 2.0, 2.0, 0.3, 0.1, 0.1, 0.1])
+IDS = torch.tensor([5, 5, 5, 2, 2, 2, 9, 9, 9, -1, 3, 3])  # ..., a group of one (-1), ...
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_reference(estimator, scale):
+    kw = dict(scale=None if estimator == "reinforce++" else scale, estimator=estimator)
+    out = fastrl.group_advantages(REWARDS, group_size=3, **kw)
+    torch.testing.assert_close(out, ref.group_advantages(REWARDS, group_size=3, **kw))
+    assert torch.all(out[:3] == 0) and torch.all(out[9:] == 0)  # all-equal groups: exactly 0
+    out_ids = fastrl.group_advantages(REWARDS, group_ids=IDS, **kw)
+    torch.testing.assert_close(out_ids, ref.group_advantages(REWARDS, group_ids=IDS, **kw))
+    assert out_ids[9] == 0  # a group of one
+    perm = torch.randperm(len(REWARDS))  # shuffled order: same advantages, permuted
+    shuffled = fastrl.group_advantages(REWARDS[perm], group_ids=IDS[perm], **kw)
+    torch.testing.assert_close(shuffled, out_ids[perm])
+    torch.testing.assert_close(
+        shuffled, ref.group_advantages(REWARDS[perm], group_ids=IDS[perm], **kw)
+    )
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_advantages_hand_computed(estimator):
+    r = torch.tensor([0.0, 1.0, 2.0, 5.0, 7.0, 9.0])  # means 1 and 7, unbiased stds 1 and 2
+    factor = 1.5 if estimator == "rloo" else 1.0  # n / (n - 1) for n = 3
+    centered = torch.tensor([-1.0, 0.0, 1.0, -2.0, 0.0, 2.0]) * factor
+    out = fastrl.group_advantages(r, 3, estimator=estimator, scale="none")
+    torch.testing.assert_close(out, centered)
+    out = fastrl.group_advantages(r, 3, estimator=estimator, scale="group", eps=0.0)
+    torch.testing.assert_close(out, centered / torch.tensor([1.0, 1, 1, 2, 2, 2]))
+    out = fastrl.group_advantages(r, 3, estimator=estimator, scale="batch", eps=0.0)
+    torch.testing.assert_close(out, centered / r.std())
+
+
+def test_group_advantages_random_large():
+    r = torch.randn(64).round()
+    ids = torch.randint(0, 20, (64,))
+    for est in ("grpo", "rloo"):
+        torch.testing.assert_close(
+            fastrl.group_advantages(r, group_ids=ids, estimator=est),
+            ref.group_advantages(r, group_ids=ids, estimator=est),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+def test_reinforce_pp_with_token_mask():
+    mask = torch.rand(12, 6) > 0.3
+    out = fastrl.group_advantages(REWARDS, 3, estimator="reinforce++", mask=mask)
+    expected = ref.group_advantages(REWARDS, 3, estimator="reinforce++", mask=mask)
+    assert out.shape == (12, 6)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(group_size=5), "group_size"),
+        (dict(group_size=0), "group_size"),
+        (dict(group_size=None), "group_size"),
+        (dict(group_size=3, rewards=torch.tensor([1.0, math.nan, 0.0])), "rewards"),
+        (dict(group_size=3, rewards=torch.zeros(3, 2)), "rewards"),
+        (dict(group_ids=torch.zeros(4, dtype=torch.long)), "group_ids"),
+        (dict(group_ids=torch.zeros(6)), "group_ids"),
+        (dict(group_size=3, scale="std"), "scale"),
+        (dict(group_size=3, estimator="ppo"), "estimator"),
+        (dict(group_size=3, estimator="reinforce++", mask=torch.ones(5, 2)), "mask"),
+    ],
+)
+def test_group_advantages_bad_input(kwargs, match):
+    kwargs.setdefault("rewards", torch.arange(6.0))
+    with pytest.raises(ValueError, match=match):
+        fastrl.group_advantages(**kwargs)
+
+
+# --------------------------------------------------------------------------- DAPO helpers
+def test_overlong_penalty_hand_computed():
+    lengths = torch.tensor([0, 6, 7, 8, 10, 11, 50])
+    # max_len 10, cache 4 -> L_exp = 6; factor 0.5
+    out = fastrl.overlong_penalty(lengths, max_len=10, cache_len=4, factor=0.5)
+    expected = torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5, -0.5])
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, ref.overlong_penalty(lengths, 10, 4, 0.5))
+    with pytest.raises(ValueError, match="cache_len"):
+        fastrl.overlong_penalty(lengths, max_len=10, cache_len=11)
+    with pytest.raises(ValueError, match="lengths"):
+        fastrl.overlong_penalty(lengths[None], max_len=10, cache_len=4)
+
+
+def test_dynamic_sampling_filter_hand_computed():
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.2])
+    out = fastrl.dynamic_sampling_filter(r, 3)
+    assert out.tolist() == [1, 3]  # groups (0, 1, 1) and (0.5, 0.5, 0.2) vary
+    assert out.tolist() == ref.dynamic_sampling_filter(r, 3).tolist()
+    assert out.dtype == torch.int64
+    assert fastrl.dynamic_sampling_filter(torch.ones(4), 2).tolist() == []
+    with pytest.raises(ValueError, match="group_size"):
+        fastrl.dynamic_sampling_filter(r, 5)
+
+
+@pytest.mark.parametrize("total", [0.5, 1.5, 3.7])
+def test_whiten_fractional_mask_matches_reference(total):
+    x = torch.randn(10)
+    mask = torch.zeros(10)
+    mask[:4] = total / 4
+    torch.testing.assert_close(fastrl.whiten(x, mask), ref.whiten(x, mask))
+
+
+def test_reinforce_pp_rejects_a_scale():
+    with pytest.raises(ValueError, match="scale"):
+        fastrl.group_advantages(REWARDS, 3, scale="group", estimator="reinforce++")

@@ -1,0 +1,240 @@
+"""fastrl.sample (SPEC 10): the sampled distribution (chi-square), logp / entropy against
+log_softmax, truncation, reproducibility, the Triton kernel under the interpreter, bad input."""
+
+import pytest
+import torch
+
+import fastrl
+from fastrl import reference as ref
+from fastrl.sampling import truncate_logits
+
+try:
+    from scipy.stats import chi2 as _chi2
+except ImportError:  # pragma: no cover
+    _chi2 = None
+
+# fixed 0.999 quantiles of chi-square with df degrees of freedom (used without scipy)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0, 1.5])  # V = 9
+
+
+def truncated_probs(logits, temperature, top_k=None, top_p=None):
+    """The distribution the sampler must draw from, computed independently (numpy-style)."""
+    z = (logits.double() / temperature).tolist()
+    order = sorted(range(len(z)), key=lambda j: -z[j])
+    keep = order[: top_k or len(z)]
+    if top_p is not None and top_p < 1:
+        zk = torch.tensor([z[j] for j in keep])
+        p = torch.softmax(zk, 0).tolist()
+        kept, mass = [], 0.0
+        for j, pj in zip(keep, p):
+            if mass < top_p or not kept:
+                kept.append(j)
+            mass += pj
+        keep = kept
+    probs = torch.zeros(len(z), dtype=torch.float64)
+    zk = torch.tensor([z[j] for j in keep], dtype=torch.float64)
+    probs[keep] = torch.softmax(zk, 0)
+    return probs
+
+
+def assert_chi_square(tokens, probs):
+    """Pearson's test of the token counts against probs (support only), at level 1e-3."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    n = counts.sum()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the support"
+    expected = n * probs[support]
+    stat = (((counts[support] - expected) ** 2) / expected).sum().item()
+    df = int(support.sum()) - 1
+    if df == 0:
+        return
+    critical = _chi2.ppf(0.999, df) if _chi2 is not None else CHI2_999[df]
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f} (df {df}): counts {counts}"
+
+
+CASES = [  # (temperature, top_k, top_p)
+    (1.0, None, None),
+    (0.5, None, None),
+    (2.0, None, None),
+    (1.0, 4, None),
+    (0.8, None, 0.7),
+    (1.3, 5, 0.9),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", CASES)
+def test_sampled_distribution_torch(temperature, top_k, top_p):
+    """10k draws per case, 60k in all: the counts follow the (truncated) softmax."""
+    n = 10_000
+    g = torch.Generator().manual_seed(123)
+    logits = LOGITS.expand(n, -1)
+    tokens, logp, entropy = fastrl.sample(logits, temperature, top_k, top_p, generator=g)
+    probs = truncated_probs(LOGITS, temperature, top_k, top_p)
+    assert_chi_square(tokens, probs)
+    torch.testing.assert_close(logp, probs.log()[tokens].float())
+    h = -(probs[probs > 0] * probs[probs > 0].log()).sum().float()
+    torch.testing.assert_close(entropy, h.expand(n))
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """The test above can fail: draws at temperature 1 do not pass for temperature 0.8."""
+    g = torch.Generator().manual_seed(0)
+    tokens, _, _ = fastrl.sample(LOGITS.expand(10_000, -1), 1.0, generator=g)
+    with pytest.raises(AssertionError):
+        assert_chi_square(tokens, truncated_probs(LOGITS, 0.8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logp_entropy_equal_log_softmax(dtype, temperature):
+    logits = (torch.randn(16, 1000) * 3).to(dtype)
+    tokens, logp, entropy = fastrl.sample(logits, temperature, generator=torch.Generator())
+    ls = torch.log_softmax(logits.float() / temperature, -1)
+    torch.testing.assert_close(logp, ls.gather(1, tokens[:, None]).squeeze(1))
+    # -Σ p log p and the reference's lse - Σ p z' differ by fp32 rounding (|z'| up to ~20)
+    torch.testing.assert_close(entropy, -(ls.exp() * ls).sum(-1), atol=1e-4, rtol=1e-5)
+    ref_logp, ref_entropy = ref.token_logprobs(logits, tokens, temperature)
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(entropy, ref_entropy, atol=5e-5, rtol=1e-5)
+    assert logp.dtype == entropy.dtype == torch.float32 and tokens.dtype == torch.int64
+
+
+def test_truncated_logp_and_support():
+    logits = torch.randn(32, 50)
+    tokens, logp, entropy = fastrl.sample(logits, 0.9, top_k=10, top_p=0.8)
+    z = truncate_logits(logits / 0.9, 10, 0.8)
+    ls = torch.log_softmax(z, -1)
+    assert torch.isfinite(ls.gather(1, tokens[:, None])).all()  # inside the support
+    assert ((z > float("-inf")).sum(-1) <= 10).all()
+    torch.testing.assert_close(logp, ls.gather(1, tokens[:, None]).squeeze(1))
+    p = ls.exp()
+    torch.testing.assert_close(entropy, -(p * ls.nan_to_num(neginf=0.0)).sum(-1))
+
+
+def test_greedy():
+    logits = torch.randn(8, 33)
+    tokens, logp, entropy = fastrl.sample(logits, 0.0, top_k=3)
+    assert torch.equal(tokens, logits.argmax(-1))
+    ls = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(logp, ls.max(-1).values)
+    torch.testing.assert_close(entropy, -(ls.exp() * ls).sum(-1))
+
+
+def test_same_seed_same_tokens():
+    logits = torch.randn(64, 300)
+    a = fastrl.sample(logits, generator=torch.Generator().manual_seed(7))[0]
+    b = fastrl.sample(logits, generator=torch.Generator().manual_seed(7))[0]
+    c = fastrl.sample(logits, generator=torch.Generator().manual_seed(8))[0]
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_non_contiguous_rows_and_chunking(monkeypatch):
+    monkeypatch.setattr("fastrl.sampling._CHUNK_ELEMENTS", 64)  # several row chunks
+    base = torch.randn(20, 64)
+    logits = base[:, ::2]  # strided view, V = 32
+    tokens, logp, _ = fastrl.sample(logits, generator=torch.Generator().manual_seed(0))
+    ls = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(logp, ls.gather(1, tokens[:, None]).squeeze(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(logits=torch.randn(2, 3, 4)), "logits"),
+        (dict(logits=torch.zeros(2, 3, dtype=torch.long)), "logits"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(generator=3), "generator"),
+    ],
+)
+def test_sample_bad_input(kwargs, match):
+    args = dict(logits=torch.randn(2, 5))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        fastrl.sample(**args)
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("FASTRL_BACKEND", "triton")
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, 4, 0.95)])
+def test_sampled_distribution_kernel(triton_backend, temperature, top_k, top_p):
+    """Fewer draws under the interpreter (one program per row): 500 per case, V = 5."""
+    n = 500
+    g = torch.Generator().manual_seed(3)
+    small = LOGITS[:5]
+    tokens, logp, _ = fastrl.sample(small.expand(n, -1), temperature, top_k, top_p, generator=g)
+    probs = truncated_probs(small, temperature, top_k, top_p)
+    assert_chi_square(tokens, probs)
+    torch.testing.assert_close(logp, probs.log()[tokens].float())
+
+
+@pytest.mark.parametrize("V", [7, 5000])  # 5000: two vocabulary blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_logp_entropy(triton_backend, V, dtype):
+    logits = (torch.randn(3, V) * 2).to(dtype)
+    logits[1, V // 2] = 30.0  # a row that is nearly deterministic
+    tokens, logp, entropy = fastrl.sample(logits, 0.9, generator=torch.Generator().manual_seed(1))
+    ref_logp, ref_entropy = ref.token_logprobs(logits, tokens, 0.9)
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    assert tokens[1] == V // 2
+
+
+def test_kernel_reproducible_greedy_and_truncated(triton_backend):
+    logits = torch.randn(4, 40)
+    a = fastrl.sample(logits, generator=torch.Generator().manual_seed(5))[0]
+    b = fastrl.sample(logits, generator=torch.Generator().manual_seed(5))[0]
+    assert torch.equal(a, b)
+    tokens, logp, entropy = fastrl.sample(logits, 0.0)
+    assert torch.equal(tokens, logits.argmax(-1))
+    ls = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(entropy, -(ls.exp() * ls).sum(-1))
+    tokens, logp, _ = fastrl.sample(logits[:, ::2], 1.0, top_k=2)  # strided, truncated
+    z = truncate_logits(logits[:, ::2].float(), 2, None)
+    torch.testing.assert_close(logp, torch.log_softmax(z, -1).gather(1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_cuda(dtype):
+    logits = (torch.randn(64, 151936, device="cuda") * 3).to(dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, logp, entropy = fastrl.sample(logits, 0.7, generator=g)
+    ref_logp, ref_entropy = ref.token_logprobs(logits, tokens, 0.7)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-4, rtol=1e-4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    assert torch.equal(fastrl.sample(logits, 0.7, generator=g)[0], tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature,top_k,top_p", CASES)
+def test_sampled_distribution_cuda(temperature, top_k, top_p):
+    n = 40_000
+    logits = LOGITS.cuda().expand(n, -1)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    tokens, _, _ = fastrl.sample(logits, temperature, top_k, top_p, generator=g)
+    assert_chi_square(tokens.cpu(), truncated_probs(LOGITS, temperature, top_k, top_p))
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p", [(5, None), (5, 0.5), (None, 0.6), (None, 0.999), (40, 0.9)]
+)
+@pytest.mark.parametrize("peaked", [True, False])
+def test_partial_sort_truncation_is_exact(monkeypatch, top_k, top_p, peaked):
+    """The topk shortcut of truncate_logits gives the full sort's support (or falls back)."""
+    monkeypatch.setattr("fastrl.sampling._PARTIAL_SORT", 16)
+    z = torch.randn(6, 300) * (6.0 if peaked else 0.5)
+    full = truncate_logits(z, top_k, top_p, partial=False)
+    fast = truncate_logits(z, top_k, top_p, partial=True)
+    assert torch.equal(full == float("-inf"), fast == float("-inf"))
+    torch.testing.assert_close(fast, full)
