@@ -1,5 +1,149 @@
-"""Public loss functions. (Placeholder: delegates to the reference until the fused path lands.)"""
+"""Public loss functions: the fused `policy_loss` and `logprobs` (and `value_loss`).
 
-from .reference import PolicyLossOutput, logprobs, policy_loss, value_loss
+The fused policy loss is split in three, so that the (N, V) logits are touched by exactly one op:
 
-__all__ = ["PolicyLossOutput", "logprobs", "policy_loss", "value_loss"]
+1. `fastrl.ops.token_logprobs` (Triton on CUDA, chunked torch on CPU): one pass over each logits
+   row gives logp_t = z'_y - lse and H_t = lse - sum_j p_j z'_j (fp32, (B, T)).
+2. `fastrl.reference.policy_terms`: every option of SPEC 1-5 as O(N) torch math on (B, T) tensors:
+   ratio, clipped / CISPO / SAPO / REINFORCE term, rollout IS weight, KL, entropy bonus,
+   aggregation, metrics. Autograd through it yields g_t = dloss/dlogp_t and h_t = dloss/dH_t.
+3. the op's backward writes dloss/dz_tj = (1/tau)[g_t(1[j=y_t] - p_tj) - h_t p_tj(log p_tj + H_t)]
+   in one more pass over the logits (SPEC 6).
+
+Forward + backward thus read the logits twice and write the gradient once; the only (N, V)
+tensor created is the gradient itself (or none, with `inplace=True`). Sequence-level options
+(GSPO ratios, sequence IS weights, seq-mean aggregations) are per-sequence reductions in step 2.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops
+from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
+from .config import LossConfig
+from .reference import PolicyLossOutput, policy_terms
+
+try:  # SPEC 8 lives in fastrl/value.py once it exists
+    from .value import value_loss
+except ImportError:  # pragma: no cover - until fastrl/value.py lands
+    from .reference import value_loss
+
+__all__ = ["PolicyLossOutput", "logprobs", "policy_loss", "policy_terms", "value_loss"]
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def policy_loss(
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    config: LossConfig | str | None = None,
+    *,
+    inplace: bool = False,
+    check_finite: bool = False,
+    **overrides,
+) -> PolicyLossOutput:
+    """The fused policy loss of SPEC 1-6 (PPO / GRPO / DAPO / Dr.GRPO / GSPO / CISPO / SAPO / ...).
+
+    Shapes (B sequences of T tokens, vocabulary V; or flat N tokens):
+        logits        (B, T, V) or (N, V), fp32 / bf16 / fp16. Any strides over B and T: a
+                      `logits[:, :-1]` view is read in place. Only a V dimension that is not
+                      contiguous (stride(-1) != 1) is copied first.
+        tokens        (B, T) or (N,), int64 or int32, in [0, V). Checked on CPU tensors; on CUDA an
+                      out-of-range token makes its logp (hence the loss) NaN, never a wrong number.
+        advantages    (B,), (B, T) or (N,)
+        old_logp, ref_logp, rollout_logp, mask: like tokens (mask bool or float, 1 = counts).
+        config        a LossConfig, a preset name or None (= ppo); keyword `overrides` replace its
+                      fields (num_tokens / num_seqs may be 0-dim tensors: no host sync).
+
+    Math (SPEC.md): logp_t = z'_y - lse, H_t = lse - sum_j p_j z'_j with z' = z / tau; per-token
+    L_t = w_t l_t + beta kl_t - c_H H_t, aggregated by `config.agg`; the gradient is
+    dloss/dz_tj = (1/tau)[g_t (1[j=y_t] - p_tj) - h_t p_tj (log p_tj + H_t)], g = dloss/dlogp,
+    h = dloss/dH, written by one pass over the logits in the backward.
+
+    Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like
+    tokens, fp32, detached), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
+    clipfrac_high, dualclip_frac, approx_kl, kl, entropy, ratio_mean, ratio_max, and
+    is_weight_mean / is_weight_max / is_clipfrac with rollout IS)). Nothing syncs with the host
+    unless `check_finite=True`, which raises a ValueError when the loss or a logp is NaN / inf
+    (NaN / inf in the logits otherwise propagate to the loss, never hidden).
+
+    inplace=True: the backward overwrites the logits' storage with dloss/dlogits (no new (N, V)
+    buffer; the gradient that flows back *is* the logits tensor). Safe only when nothing else
+    reads those logits after this loss's backward runs: the logits come from a layer whose
+    backward does not need its output (an lm_head Linear / matmul, possibly followed by slicing or
+    a division by a temperature), no other loss or op in the graph uses the same logits (another
+    loss on them, a softmax saved for backward, ...), the caller does not read them after
+    `backward()`, and backward runs once (no retain_graph double backward). Misuse detected by
+    autograd's version counter raises (the write bumps it); misuse it cannot see gives wrong
+    numbers. With a non-contiguous V dimension the gradient lands in the internal copy instead.
+    The default (inplace=False) allocates the gradient and is always autograd-safe.
+
+    Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with
+    env FASTRL_BACKEND=triton|torch (see fastrl.ops)."""
+    check_range = False if _compiling() else None  # None: check the values on CPU only
+    x = prepare_policy_inputs(
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        mask,
+        rollout_logp,
+        config,
+        overrides,
+        check_range=check_range,
+    )
+    logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.config.temperature, inplace=inplace)
+    loss, kl, metrics = policy_terms(logp, entropy, x)
+    if check_finite:
+        _check_finite(loss, logp)
+    return PolicyLossOutput(
+        loss=loss,
+        logp=x.unflatten(logp.detach()),
+        entropy=x.unflatten(entropy.detach()),
+        kl=x.unflatten(kl),
+        metrics=metrics,
+    )
+
+
+def _check_finite(loss: Tensor, logp: Tensor) -> None:
+    """Raise if the loss or any logp is NaN / inf (a host sync: opt-in)."""
+    if not bool(torch.isfinite(loss)):
+        raise ValueError(
+            f"policy_loss: the loss is {loss.item()} (not finite); check the logits for NaN/inf "
+            "and the tokens for values outside [0, V)"
+        )
+    bad = ~torch.isfinite(logp.detach())
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"policy_loss: logp of shape {tuple(logp.shape)} has {int(bad.sum())} non-finite "
+            f"value(s), first at index {where}; check the logits for NaN/inf and the tokens for "
+            "values outside [0, V)"
+        )
+
+
+def logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, entropy: bool = False):
+    """Per-token log-probs logp_t = z'_y - lse (and entropies H_t when `entropy=True`).
+
+    logits (B, T, V) or (N, V) fp32 / bf16 / fp16 (any strides over B, T); tokens like logits
+    without V, int64 / int32. Returns fp32 logp (and H) shaped like tokens. One streaming pass
+    over the logits; differentiable (the backward is SPEC 6 with g = dL/dlogp, h = dL/dH); under
+    torch.no_grad it is the fast path for pi_old / pi_ref log-probs (no (N, V) allocation)."""
+    temperature = check_temperature(temperature)
+    logits3, tokens2, flat = check_logits_tokens(
+        logits, tokens, check_range=False if _compiling() else None
+    )
+    logp, ent = ops.token_logprobs(logits3, tokens2, temperature)
+    if flat:
+        logp, ent = logp.squeeze(0), ent.squeeze(0)
+    return (logp, ent) if entropy else logp

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
+from ._inputs import (
+    PolicyInputs,
+    check_logits_tokens,
+    check_temperature,
+    prepare_policy_inputs,
+)
 from .config import AGGS, LossConfig
 
 LOG_RATIO_CLAMP = 20.0  # SPEC 1 / 3: exp(clamp(x, -20, 20)), verl's clamp
@@ -42,11 +47,11 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
-    """max of x over counted entries, 0 when nothing counts."""
-    counted = mask > 0
-    if not counted.any():
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    return x[counted].max()
+    """max of x over counted entries, 0 when nothing counts (no host sync)."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    top = torch.where(mask > 0, x, float("-inf")).amax()
+    return torch.where(mask.sum() > 0, top, 0.0)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0):
@@ -57,7 +62,9 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0):
     log_probs = torch.log_softmax(z, dim=-1)  # (..., V)
     logp = log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     probs = log_probs.exp()
-    entropy = torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
+    # p_j z'_j -> 0 where z'_j = -inf (a masked vocabulary entry has p = 0); 0 * -inf would be NaN
+    z_finite = torch.where(z == float("-inf"), 0.0, z)
+    entropy = torch.logsumexp(z, dim=-1) - (probs * z_finite).sum(-1)
     return logp, entropy
 
 
@@ -116,40 +123,19 @@ def aggregate(
 
 
 # --------------------------------------------------------------------------- policy loss
-def policy_loss(
-    logits: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None = None,
-    ref_logp: Tensor | None = None,
-    mask: Tensor | None = None,
-    rollout_logp: Tensor | None = None,
-    config: LossConfig | str | None = None,
-    **overrides,
-) -> PolicyLossOutput:
-    """The policy loss of SPEC 1-5, eagerly. Same signature and output as `fastrl.policy_loss`.
+def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
+    """SPEC 1-5 on per-token tensors: (loss, kl, metrics) from logp and entropy (fp32 (B, T)).
 
-    logits (B, T, V) or (N, V); tokens (B, T) or (N,); advantages (B,), (B, T) or (N,);
-    old_logp / ref_logp / rollout_logp / mask like tokens."""
-    x = prepare_policy_inputs(
-        logits,
-        tokens,
-        advantages,
-        old_logp,
-        ref_logp,
-        mask,
-        rollout_logp,
-        config,
-        overrides,
-        check_range=True,
-    )
+    Everything here is O(B*T): the (N, V) logits only enter through logp and H, so this one
+    function serves both the eager reference (logp, H from log_softmax) and the fused path (logp,
+    H from the one-pass kernel, whose backward turns g = dloss/dlogp and h = dloss/dH into the
+    logits gradient). The hand-computed tests of SPEC's tables check it independently. No host
+    sync: metrics stay tensors."""
     cfg = x.config
     mask = x.mask  # (B, T) fp32
     A = x.advantages  # (B, T)
-
-    logp, entropy = token_logprobs(x.logits, x.tokens, cfg.temperature)  # (B, T) each
     old_logp = logp.detach() if x.old_logp is None else x.old_logp
-    seq_lengths = mask.sum(-1, keepdim=True)  # (B, 1)
+    seq_lengths = mask.sum(-1, keepdim=True)  # (B, 1): |y_i|
 
     # SPEC 1: importance ratio
     token_log_ratio = logp - old_logp
@@ -164,9 +150,7 @@ def policy_loss(
     # SPEC 2: the per-token policy term
     dual_clipped = torch.zeros_like(mask)
     if cfg.policy == "ppo":
-        unclipped_ratio = (
-            ratio if cfg.clip_delta is None else torch.clamp(ratio, max=cfg.clip_delta)
-        )
+        unclipped_ratio = ratio if cfg.clip_delta is None else ratio.clamp(max=cfg.clip_delta)
         pg_loss1 = -A * unclipped_ratio
         pg_loss2 = -A * clipped_ratio
         pg_loss = torch.maximum(pg_loss1, pg_loss2)
@@ -187,7 +171,7 @@ def policy_loss(
     # SPEC 3: rollout correction (truncated importance sampling), detached
     is_metrics = {}
     if cfg.rollout_is is not None:
-        log_is_weight = old_logp - x.rollout_logp
+        log_is_weight = (old_logp - x.rollout_logp).detach()
         if cfg.rollout_is == "sequence":
             log_is_weight = (log_is_weight * mask).sum(-1, keepdim=True).expand_as(logp)
         is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -196,11 +180,10 @@ def policy_loss(
             is_weight = torch.clamp(is_weight_raw, max=cfg.rollout_is_cap)
         else:
             is_weight = is_weight_raw * (1 - over_cap)
-        is_weight = is_weight.detach()
         pg_loss = is_weight * pg_loss
         is_metrics = {
             "is_weight_mean": masked_mean(is_weight, mask),
-            "is_weight_max": masked_max(is_weight_raw.detach(), mask),
+            "is_weight_max": masked_max(is_weight_raw, mask),
             "is_clipfrac": masked_mean(over_cap, mask),
         }
 
@@ -212,8 +195,13 @@ def policy_loss(
     else:
         kl = torch.zeros_like(logp)
 
-    # SPEC 5: per-token total, then one aggregation
-    per_token_loss = pg_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy
+    # SPEC 5: per-token total, then one aggregation. A zero coefficient drops its term rather
+    # than adding 0 * x (which would turn an overflowed k3 into a NaN loss).
+    per_token_loss = pg_loss
+    if cfg.kl_coef != 0:
+        per_token_loss = per_token_loss + cfg.kl_coef * kl
+    if cfg.entropy_coef != 0:
+        per_token_loss = per_token_loss - cfg.entropy_coef * entropy
     loss = aggregate(per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
 
     with torch.no_grad():
@@ -232,12 +220,44 @@ def policy_loss(
             **is_metrics,
         }
         metrics = {k: v.detach() for k, v in metrics.items()}
+    return loss, kl.detach(), metrics
 
+
+def policy_loss(
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    config: LossConfig | str | None = None,
+    **overrides,
+) -> PolicyLossOutput:
+    """The policy loss of SPEC 1-5, eagerly. Same signature and output as `fastrl.policy_loss`.
+
+    logits (B, T, V) or (N, V); tokens (B, T) or (N,); advantages (B,), (B, T) or (N,);
+    old_logp / ref_logp / rollout_logp / mask like tokens. The gradient is plain autograd through
+    log_softmax (several fp32 (B, T, V) tensors: this is the eager baseline)."""
+    x = prepare_policy_inputs(
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        mask,
+        rollout_logp,
+        config,
+        overrides,
+        check_range=True,
+    )
+    logp, entropy = token_logprobs(x.logits, x.tokens, x.config.temperature)  # (B, T) each
+    loss, kl, metrics = policy_terms(logp, entropy, x)
     return PolicyLossOutput(
         loss=loss,
         logp=x.unflatten(logp.detach()),
         entropy=x.unflatten(entropy.detach()),
-        kl=x.unflatten(kl.detach()),
+        kl=x.unflatten(kl),
         metrics=metrics,
     )
 

@@ -1,0 +1,216 @@
+"""Shared helpers of the benchmarks: device info, timing, peak memory, results files.
+
+Stable API (other benchmarks import it):
+    device_info(device)              -> dict: device name, torch / triton versions, git commit
+    time_fn(fn, warmup, rep, device) -> dict(median, q20, q80) in milliseconds
+    peak_memory(fn, device)          -> dict(bytes, method): peak extra memory of one call
+    write_results(name, rows, meta)  -> paths of <name>.json and <name>.csv in benchmarks/results/
+    plot_bars(path, rows, ...)       -> bar charts of time and memory per method (PNG)
+    cpu_malloc_env() / ensure_cpu_malloc_env() -> env / re-exec for CPU peak-memory runs
+
+Timing: on CUDA triton.testing.do_bench (warmup / rep in ms, quantiles 0.5 / 0.2 / 0.8); on CPU
+a time.perf_counter loop of `rep` calls after `warmup` calls.
+
+Peak memory: on CUDA torch.cuda.max_memory_allocated() during the call minus the allocation
+before it. On CPU torch has no allocator statistics, so it is the process's resident-set
+high-water mark (Linux VmHWM, reset through /proc/self/clear_refs right before the call) minus
+the resident set before the call. This is a real measurement of the whole process, not an
+estimate; it is exact for big tensors when glibc returns freed blocks to the OS at once, which
+`ensure_cpu_malloc_env()` arranges (MALLOC_MMAP_THRESHOLD_=65536: every tensor above 64 KiB is
+its own mmap). Small allocations and code pages add a few MB of noise. Measure CPU memory in
+a separate process from CPU timing (that malloc setting slows big allocations down).
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PEAK_BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM peak, GB/s
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def device_info(device: str | torch.device = "cpu") -> dict:
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # pragma: no cover
+        triton_version = None
+    peak = next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
+    return {
+        "device": str(device),
+        "device_name": name,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "peak_bandwidth_GBs": peak,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_fn(fn, warmup: int = 1, rep: int = 5, device: str | torch.device = "cpu") -> dict:
+    """Median and 20 / 80 % quantiles of fn()'s wall time in ms.
+
+    CUDA: triton.testing.do_bench(fn, warmup=warmup, rep=rep) (both in ms there).
+    CPU: `warmup` calls, then `rep` timed calls."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+
+        med, q20, q80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+        return {"median": med, "q20": q20, "q80": q80}
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "median": statistics.median(times),
+        "q20": _quantile(times, 0.2),
+        "q80": _quantile(times, 0.8),
+    }
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def peak_memory(fn, device: str | torch.device = "cpu") -> dict:
+    """Peak memory of one call of fn() above what was allocated before it, in bytes.
+
+    Returns {"bytes": int, "method": str}; see the module docstring for the methods."""
+    device = torch.device(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return {
+            "bytes": torch.cuda.max_memory_allocated(device) - base,
+            "method": "torch.cuda.max_memory_allocated delta",
+        }
+    base = _proc_status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    fn()
+    return {
+        "bytes": _proc_status("VmHWM:") - base,
+        "method": "RSS high-water mark delta (VmHWM after clear_refs; "
+        f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')})",
+    }
+
+
+def cpu_malloc_env() -> dict:
+    """os.environ plus MALLOC_MMAP_THRESHOLD_=65536: for a child process that measures CPU peak
+    memory (freed tensors leave the resident set at once). Not for timing: every big allocation
+    then costs fresh page faults."""
+    return dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+
+
+def ensure_cpu_malloc_env() -> None:
+    """Re-exec this process with `cpu_malloc_env()` (Linux) unless MALLOC_MMAP_THRESHOLD_ is set."""
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.execve(sys.executable, [sys.executable, *sys.argv], cpu_malloc_env())
+
+
+def write_results(name: str, rows: list[dict], meta: dict, out_dir: Path | None = None) -> dict:
+    """Write rows (+ meta) to <out_dir>/<name>.json and <name>.csv. Returns the paths."""
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = out_dir / f"{name}.json", out_dir / f"{name}.csv"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    return {"json": str(json_path), "csv": str(csv_path)}
+
+
+def plot_bars(
+    path: Path | str, rows: list[dict], label: str, panels: list[tuple[str, str]], title: str = ""
+) -> str:
+    """One bar chart per (key, axis label) in `panels`, bars labelled by row[label]. PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    axes = [axes] if len(panels) == 1 else axes
+    names = [str(r[label]) for r in rows]
+    for ax, (key, ylabel) in zip(axes, panels):
+        vals = [r.get(key) or 0 for r in rows]
+        bars = ax.bar(names, vals, color=["C0", "C1", "C2", "C3", "C4"][: len(rows)])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", rotation=15)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,185 @@
+"""fastrl.logprobs (one-pass per-token log-probs / entropies) against fastrl.reference.logprobs.
+
+Runs on the chunked torch path, the Triton kernels in the interpreter (FASTRL_BACKEND=triton)
+and, with `-m gpu`, on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fastrl
+from fastrl import ops
+from fastrl import reference as R
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+ENGINES = [
+    pytest.param(("cpu", "torch"), id="cpu-torch"),
+    pytest.param(
+        ("cpu", "triton"),
+        id="cpu-triton",
+        marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"),
+    ),
+    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
+]
+# dtype -> (rtol, atol) of logp / entropy (both paths upcast to fp32 like the reference) and of
+# the gradient relative to its largest entry (stored in the logits' dtype).
+TOL = {
+    torch.float32: ((1e-5, 1e-5), (1e-5, 5e-6)),
+    torch.bfloat16: ((1e-4, 1e-4), (1e-2, 8e-3)),
+    torch.float16: ((1e-4, 1e-4), (2e-3, 1e-3)),
+}
+
+
+@pytest.fixture(params=ENGINES)
+def device(request, monkeypatch):
+    device, backend = request.param
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    return device
+
+
+def _check(logits, tokens, temperature=1.0, view=None):
+    """Forward values and the gradient of sum(w1 * logp + w2 * H) against the reference."""
+    view = view or (lambda x: x)
+    dtype = logits.dtype
+    (frtol, fatol), (grtol, gatol) = TOL[dtype]
+    xf = logits.detach().clone().requires_grad_()
+    xr = logits.detach().float().clone().requires_grad_()
+    logp, ent = fastrl.logprobs(view(xf), tokens, temperature=temperature, entropy=True)
+    rlogp, rent = R.logprobs(view(xr), tokens, temperature=temperature, entropy=True)
+    assert logp.dtype == torch.float32 and logp.shape == tokens.shape
+    torch.testing.assert_close(logp, rlogp, rtol=frtol, atol=fatol)
+    torch.testing.assert_close(ent, rent, rtol=frtol, atol=fatol)
+    g = torch.Generator().manual_seed(1)
+    w1 = torch.randn(tokens.shape, generator=g).to(logits.device)
+    w2 = torch.randn(tokens.shape, generator=g).to(logits.device)
+    (logp * w1 + ent * w2).sum().backward()
+    (rlogp * w1 + rent * w2).sum().backward()
+    assert xf.grad.dtype == dtype
+    scale = xr.grad.abs().max().item() or 1.0
+    torch.testing.assert_close(xf.grad.float(), xr.grad, rtol=grtol, atol=gatol * scale)
+    # logp alone (h = 0 path of the backward)
+    xf.grad = xr.grad = None
+    fastrl.logprobs(view(xf), tokens, temperature=temperature).mul(w1).sum().backward()
+    R.logprobs(view(xr), tokens, temperature=temperature).mul(w1).sum().backward()
+    scale = xr.grad.abs().max().item() or 1.0
+    torch.testing.assert_close(xf.grad.float(), xr.grad, rtol=grtol, atol=gatol * scale)
+
+
+@pytest.mark.parametrize(
+    "shape,V",
+    [((2, 3), 1), ((2, 3), 7), ((4,), 300), ((1, 2), 1000), ((3, 1), 129), ((1,), 70001)],
+    ids=["V1", "V7", "flat", "V1000", "T1", "V70001"],
+)
+def test_logprobs_matches_reference(device, shape, V):
+    g = torch.Generator().manual_seed(V)
+    logits = (torch.randn(*shape, V, generator=g) * 3).to(device)
+    tokens = torch.randint(0, V, shape, generator=g).to(device)
+    _check(logits, tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_temperature(device, temperature):
+    logits = torch.randn(2, 3, 50, device=device) * 4
+    tokens = torch.randint(0, 50, (2, 3), device=device)
+    _check(logits, tokens, temperature=temperature)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_dtypes(device, dtype):
+    logits = (torch.randn(2, 4, 257) * 3).to(dtype).to(device)
+    tokens = torch.randint(0, 257, (2, 4), device=device, dtype=torch.int32)
+    _check(logits, tokens)
+
+
+def test_strided_view(device):
+    """logits[:, :-1] (the usual causal-LM slice) is read without a copy."""
+    logits = torch.randn(2, 6, 40, device=device)
+    tokens = torch.randint(0, 40, (2, 5), device=device)
+    _check(logits, tokens, view=lambda x: x[:, :-1])
+
+
+def test_no_grad_fast_path(device):
+    logits = torch.randn(3, 4, 30, device=device)
+    tokens = torch.randint(0, 30, (3, 4), device=device)
+    with torch.no_grad():
+        logp = fastrl.logprobs(logits.requires_grad_(), tokens)
+    assert not logp.requires_grad
+    torch.testing.assert_close(logp, R.logprobs(logits.detach(), tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_extreme_logits(device):
+    """Huge / tiny logits and a row of equal logits: stable (online max), entropy log V."""
+    logits = torch.tensor(
+        [[[1e4, -1e4, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0], [-50.0, -60.0, -70.0, -80.0]]],
+        device=device,
+    )
+    tokens = torch.tensor([[1, 2, 0]], device=device)
+    # fp64 oracle: the fp32 reference itself loses digits to cancellation at |z| = 1e4
+    x64 = logits.double().requires_grad_()
+    logq = torch.log_softmax(x64, -1)
+    e_logp = logq.gather(-1, tokens[..., None]).squeeze(-1)
+    e_ent = -(logq.exp() * logq).sum(-1)
+    (e_logp + 0.5 * e_ent).sum().backward()
+    x = logits.clone().requires_grad_()
+    logp, ent = fastrl.logprobs(x, tokens, entropy=True)
+    (logp + 0.5 * ent).sum().backward()
+    torch.testing.assert_close(logp.double(), e_logp.detach(), rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(ent.double(), e_ent.detach(), rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[0, 1].cpu(), torch.tensor(4.0).log())
+
+
+def test_bad_inputs():
+    logits, tokens = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    with pytest.raises(ValueError, match="temperature"):
+        fastrl.logprobs(logits, tokens, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        fastrl.logprobs(logits, tokens, temperature=float("inf"))
+    with pytest.raises(ValueError, match=r"tokens has shape \(2, 2\)"):
+        fastrl.logprobs(logits, tokens[:, :2])
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, V\) = \[0, 5\)"):
+        fastrl.logprobs(logits, tokens + 5)
+    with pytest.raises(ValueError, match="logits has shape .*float32, bfloat16 or float16"):
+        fastrl.logprobs(logits.double(), tokens)
+
+
+def test_ops_reject_strided_vocab():
+    """The raw op refuses a non-contiguous V (the public functions copy first)."""
+    logits = torch.randn(2, 7, 3).transpose(1, 2)  # (2, 3, 7), stride(-1) = 3
+    with pytest.raises(ValueError, match="V dimension must be contiguous"):
+        torch.ops.fastrl.token_stats(logits, torch.zeros(2, 3, dtype=torch.long), 1.0)
+    logp, _ = ops.token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long))
+    torch.testing.assert_close(logp, R.token_logprobs(logits, torch.zeros(2, 3).long())[0])
+
+
+def test_minus_inf_logits(device):
+    """A -inf logit (masked vocabulary entry) has p = 0: finite H and gradient (p log p -> 0).
+
+    (The fp32 reference gives NaN entropy here, 0 * -inf; the oracle is a masked fp64 formula.)"""
+    V = 4500
+    logits = torch.randn(1, 3, V, device=device)
+    logits[..., 5:12] = float("-inf")
+    logits[0, 0, :4400] = float("-inf")  # a first Triton block (4096 wide) holding only -inf
+    tokens = torch.randint(4400, V, (1, 3), device=device)
+    logq = torch.log_softmax(logits.double(), -1)
+    p = logq.exp()
+    plogp = torch.where(p > 0, p * logq, 0.0)
+    e_logp = logq.gather(-1, tokens[..., None]).squeeze(-1)
+    e_ent = -plogp.sum(-1)
+    w = torch.randn(1, 3, device=device, dtype=torch.float64)
+    # SPEC 6 in fp64 with g = w, h = 0.3: g (1[j=y] - p) - h (p log p + p H)
+    onehot = torch.nn.functional.one_hot(tokens, V).double()
+    e_grad = w[..., None] * (onehot - p) - 0.3 * (plogp + p * e_ent[..., None])
+    x = logits.clone().requires_grad_()
+    logp, ent = fastrl.logprobs(x, tokens, entropy=True)
+    (logp * w.float() + 0.3 * ent).sum().backward()
+    torch.testing.assert_close(logp.double(), e_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), e_ent, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(x.grad).all() and (x.grad[..., 5:12] == 0).all()
+    torch.testing.assert_close(x.grad.double(), e_grad, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,487 @@
+"""fastrl.policy_loss (fused) against fastrl.reference.policy_loss: forward and backward.
+
+Every check runs on both CPU paths (the chunked torch path and the Triton kernels in the
+interpreter, FASTRL_BACKEND=triton) and, with `-m gpu`, on CUDA. The reference always runs in
+fp32 on an upcast copy of the same logits; the dtype -> tolerance table is TOL.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastrl
+from fastrl import ops
+from fastrl import reference as R
+from fastrl.config import PRESETS, LossConfig
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# dtype -> (rtol, atol) for the forward values and, separately, for the gradient (relative to
+# its largest entry: a bf16 / fp16 gradient is stored in the logits' dtype).
+TOL = {
+    torch.float32: dict(fwd=(1e-5, 1e-5), grad=(1e-5, 5e-6)),
+    torch.bfloat16: dict(fwd=(1e-4, 1e-4), grad=(1e-2, 8e-3)),
+    torch.float16: dict(fwd=(1e-4, 1e-4), grad=(2e-3, 1e-3)),
+}
+
+ENGINES = [
+    pytest.param(("cpu", "torch"), id="cpu-torch"),
+    pytest.param(
+        ("cpu", "triton"),
+        id="cpu-triton",
+        marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"),
+    ),
+    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, monkeypatch):
+    """(device, backend), with FASTRL_BACKEND set for the test."""
+    device, backend = request.param
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    return device, backend
+
+
+def make_batch(
+    B, T, V, dtype=torch.float32, device="cpu", seed=0, mask_p=0.25, extra_t=0, rollout=False
+):
+    """Random logits (B, T + extra_t, V) and per-token inputs whose ratios straddle the clips."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T + extra_t, V, generator=g) * 2.0).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    logp, _ = R.token_logprobs(logits[:, :T], tokens)
+    noise = lambda s: s * torch.randn(B, T, generator=g)  # noqa: E731
+    batch = dict(
+        logits=logits,
+        tokens=tokens,
+        advantages=torch.randn(B, generator=g),
+        old_logp=logp + noise(0.3),
+        ref_logp=logp + noise(0.3),
+        mask=torch.rand(B, T, generator=g) > mask_p,
+    )
+    if rollout:
+        batch["rollout_logp"] = batch["old_logp"] + noise(0.5)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def run_both(batch, view=None, inplace=False, **kwargs):
+    """Fused and reference outputs and d loss / d logits (on the full logits tensor)."""
+    view = view or (lambda x: x)
+    logits = batch["logits"]
+    rest = {k: v for k, v in batch.items() if k != "logits"}
+    xf = logits.detach().clone().requires_grad_()
+    xr = logits.detach().float().clone().requires_grad_()
+    lf = view(xf * 1.0) if inplace else view(xf)  # in-place needs a non-leaf to overwrite
+    out_f = fastrl.policy_loss(lf, **rest, inplace=inplace, **kwargs)
+    out_f.loss.backward()
+    out_r = R.policy_loss(view(xr), **rest, **kwargs)
+    out_r.loss.backward()
+    return out_f, out_r, xf.grad, xr.grad
+
+
+def assert_match(out_f, out_r, grad_f, grad_r, dtype=torch.float32):
+    rtol, atol = TOL[dtype]["fwd"]
+    close = lambda a, b, msg: torch.testing.assert_close(  # noqa: E731
+        a.float().cpu(), b.float().cpu(), rtol=rtol, atol=atol, equal_nan=True, msg=msg
+    )
+    close(out_f.loss.detach(), out_r.loss.detach(), lambda m: f"loss: {m}")
+    assert out_f.loss.dim() == 0 and out_f.loss.dtype == torch.float32
+    for name in ("logp", "entropy", "kl"):
+        a, b = getattr(out_f, name), getattr(out_r, name)
+        assert a.shape == b.shape and not a.requires_grad, name
+        close(a, b, lambda m, n=name: f"{n}: {m}")
+    assert set(out_f.metrics) == set(out_r.metrics)
+    for k, v in out_f.metrics.items():
+        assert v.dim() == 0 and not v.requires_grad, k
+        close(v, out_r.metrics[k], lambda m, k=k: f"metric {k}: {m}")
+    rtol, atol = TOL[dtype]["grad"]
+    assert grad_f.dtype == dtype and grad_f.shape == grad_r.shape
+    scale = grad_r.abs().max().item() or 1.0
+    torch.testing.assert_close(
+        grad_f.float().cpu(), grad_r.cpu(), rtol=rtol, atol=atol * scale, msg=lambda m: f"grad: {m}"
+    )
+
+
+# --------------------------------------------------------------------------- presets and options
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets(engine, preset):
+    device, _ = engine
+    batch = make_batch(3, 6, 37, device=device, seed=hash(preset) % 1000)
+    out = run_both(batch, config=preset, entropy_coef=0.01)
+    assert_match(*out)
+    if preset == "grpo":
+        assert out[0].metrics["kl"].abs() > 0
+
+
+OPTIONS = {
+    "sapo": dict(policy="sapo"),
+    "reinforce": dict(policy="reinforce"),
+    "cispo": dict(policy="cispo", clip_low=1.0, clip_high=0.3),
+    "dual_clip": dict(clip_dual=1.5, clip_low=0.05),
+    "clip_delta": dict(clip_delta=1.3, clip_high=0.1),
+    "seq_ratio": dict(ratio_level="sequence", clip_low=0.05, clip_high=0.05),
+    "k1": dict(kl_coef=0.1, kl_estimator="k1"),
+    "k2": dict(kl_coef=0.1, kl_estimator="k2"),
+    "k3": dict(kl_coef=0.1, kl_estimator="k3"),
+    "low_var_kl": dict(kl_coef=0.1, kl_estimator="low_var_kl"),
+    "abs": dict(kl_coef=0.1, kl_estimator="abs"),
+    "kl_bias_corr": dict(kl_coef=0.1, kl_estimator="k3", kl_bias_correction=True),
+    "entropy": dict(entropy_coef=0.05),
+    "temperature": dict(temperature=0.7, entropy_coef=0.02),
+    "is_token_trunc": dict(rollout_is="token", rollout_is_cap=1.5),
+    "is_token_mask": dict(rollout_is="token", rollout_is_mode="mask", rollout_is_cap=1.5),
+    "is_seq_trunc": dict(rollout_is="sequence", rollout_is_cap=3.0),
+    "is_seq_mask": dict(rollout_is="sequence", rollout_is_mode="mask", rollout_is_cap=3.0),
+    "agg_tok_mean_num": dict(agg="token-mean", num_tokens=40),
+    "agg_seq_mean": dict(agg="seq-mean-token-mean", num_seqs=5),
+    "agg_seq_sum": dict(agg="seq-mean-token-sum"),
+    "agg_seq_sum_norm": dict(agg="seq-mean-token-sum-norm", max_len=9, num_seqs=4),
+    "on_policy": dict(old_logp=None),
+    "on_policy_seq": dict(old_logp=None, ratio_level="sequence", agg="seq-mean-token-mean"),
+    "everything": dict(
+        clip_dual=2.0,
+        kl_coef=0.05,
+        kl_estimator="low_var_kl",
+        kl_bias_correction=True,
+        entropy_coef=0.01,
+        temperature=1.3,
+        rollout_is="token",
+        agg="seq-mean-token-mean",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_options(engine, name):
+    device, _ = engine
+    opts = dict(OPTIONS[name])
+    batch = make_batch(
+        3, 5, 29, device=device, seed=len(name), rollout=bool(opts.get("rollout_is"))
+    )
+    if "old_logp" in opts:
+        batch["old_logp"] = opts.pop("old_logp")
+    out = run_both(batch, **opts)
+    assert_match(*out)
+
+
+def test_tensor_counts(engine):
+    """num_tokens / num_seqs as 0-dim tensors (all-reduced counts) give the same loss."""
+    device, _ = engine
+    batch = make_batch(2, 4, 19, device=device)
+    for agg, key in (("token-mean", "num_tokens"), ("seq-mean-token-mean", "num_seqs")):
+        count = torch.tensor(7.0, device=device)
+        assert_match(*run_both(batch, agg=agg, **{key: count}))
+
+
+def test_clip_metrics_fire(engine):
+    """The battery's inputs really exercise the clip branches (so the metric checks can fail)."""
+    device, _ = engine
+    batch = make_batch(4, 8, 23, device=device, mask_p=0.0)
+    out_f, *_ = run_both(batch, clip_dual=1.2)
+    m = out_f.metrics
+    assert 0 < m["clipfrac_low"] < 1 and 0 < m["clipfrac_high"] < 1
+    assert m["dualclip_frac"] > 0 and m["ratio_max"] > 1.2
+
+
+# --------------------------------------------------------------------------- dtypes and shapes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_dtypes(engine, dtype):
+    device, _ = engine
+    batch = make_batch(2, 5, 300, dtype=dtype, device=device)
+    assert_match(*run_both(batch, config="grpo", entropy_coef=0.01), dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "B,T,V",
+    [(2, 3, 1), (2, 4, 7), (2, 3, 1000), (1, 5, 31), (3, 1, 31)],
+    ids=["V1", "V7", "V1000", "B1", "T1"],
+)
+def test_shapes(engine, B, T, V):
+    device, _ = engine
+    batch = make_batch(B, T, V, device=device, mask_p=0.0)
+    assert_match(*run_both(batch, config="grpo", entropy_coef=0.01))
+
+
+def test_large_vocab(engine):
+    """V > 65536: several BLOCK_V steps per row (tiny N: the interpreter is slow)."""
+    device, backend = engine
+    B, T = (1, 1) if (backend == "triton" and device == "cpu") else (1, 2)
+    batch = make_batch(B, T, 70001, device=device, mask_p=0.0)
+    assert_match(*run_both(batch, config="grpo", entropy_coef=0.01))
+
+
+def test_strided_view_not_copied(engine, monkeypatch):
+    """logits[:, :-1] is read in place: the op sees the caller's strides, no copy is made."""
+    device, _ = engine
+    batch = make_batch(2, 5, 33, device=device, extra_t=1)
+    seen = []
+    real = ops._token_logprobs_op
+
+    def spy(logits, *args):
+        seen.append((logits.data_ptr(), logits.stride()))
+        return real(logits, *args)
+
+    monkeypatch.setattr(ops, "_token_logprobs_op", spy)
+    out = run_both(batch, view=lambda x: x[:, :-1], config="grpo", entropy_coef=0.01)
+    assert_match(*out)
+    assert seen and seen[0][1] == (6 * 33, 33, 1)  # (T+1)*V row stride: the view itself
+
+
+def test_flat_inputs_int32_float_mask(engine):
+    device, _ = engine
+    batch = make_batch(1, 12, 41, device=device)
+    flat = {k: v[0] for k, v in batch.items()}
+    flat["tokens"] = flat["tokens"].int()
+    flat["mask"] = flat["mask"].float() * 1.0
+    flat["advantages"] = torch.randn(12, device=device)
+    out_f, out_r, gf, gr = run_both(flat, kl_coef=0.1, entropy_coef=0.01)
+    assert out_f.logp.shape == (12,)
+    assert_match(out_f, out_r, gf, gr)
+
+
+def test_non_contiguous_vocab_is_copied(engine):
+    device, _ = engine
+    batch = make_batch(2, 3, 17, device=device)
+    out = run_both(batch, view=lambda x: x.transpose(1, 2).contiguous().transpose(1, 2))
+    assert_match(*out)
+
+
+def test_masked_rows_and_all_masked(engine):
+    device, _ = engine
+    batch = make_batch(3, 4, 13, device=device)
+    batch["mask"][1] = False  # one empty sequence
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        out = run_both(batch, agg=agg, kl_coef=0.1, entropy_coef=0.01)
+        assert_match(*out)
+        assert (out[2][1] == 0).all()  # masked rows get an exact zero gradient
+    batch["mask"][:] = False
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        out_f, out_r, gf, gr = run_both(batch, agg=agg, kl_coef=0.1, entropy_coef=0.01)
+        assert out_f.loss.item() == 0.0 and torch.isfinite(gf).all() and (gf == 0).all()
+        assert all(torch.isfinite(v) for v in out_f.metrics.values())
+        assert_match(out_f, out_r, gf, gr)
+
+
+def test_inplace_gradient(engine):
+    """inplace=True: same gradient, and it is written into the logits' own storage."""
+    device, _ = engine
+    batch = make_batch(2, 4, 50, device=device)
+    out = run_both(batch, inplace=True, config="grpo", entropy_coef=0.01)
+    assert_match(*out)
+    batch = make_batch(2, 4, 50, device=device, extra_t=1)  # in place through a strided view
+    out = run_both(batch, view=lambda x: x[:, :-1], inplace=True, config="grpo")
+    assert_match(*out)
+
+    hidden = torch.randn(2, 4, 8, device=device, requires_grad=True)
+    weight = torch.randn(8, 50, device=device, requires_grad=True)
+    logits = hidden @ weight  # (B, T, V); matmul's backward does not need its output
+    ptr = logits.data_ptr()
+    rest = {k: v for k, v in batch.items() if k not in ("logits", "rollout_logp")}
+    fastrl.policy_loss(logits, **rest, config="grpo", inplace=True).loss.backward()
+    h2, w2 = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    logits2 = h2 @ w2
+    logits2.retain_grad()
+    R.policy_loss(logits2, **rest, config="grpo").loss.backward()
+    assert logits.data_ptr() == ptr
+    torch.testing.assert_close(logits.detach(), logits2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_misuse_detected(engine):
+    """Another op that saved the logits for its backward: autograd's version check raises."""
+    device, _ = engine
+    batch = make_batch(1, 3, 11, device=device)
+    x = batch["logits"].clone().requires_grad_()
+    logits = x * 1.0
+    other = (logits * logits).sum()  # saves `logits`; runs its backward after ours
+    rest = {k: v for k, v in batch.items() if k not in ("logits", "rollout_logp")}
+    loss = fastrl.policy_loss(logits, **rest, inplace=True).loss
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
+# --------------------------------------------------------------------------- non-finite / bad input
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_logits_propagate_and_check_finite(engine):
+    device, _ = engine
+    batch = make_batch(2, 3, 11, device=device, mask_p=0.0)
+    batch["logits"][0, 1, 4] = float("nan")
+    rest = {k: v for k, v in batch.items() if k != "logits"}
+    out = fastrl.policy_loss(batch["logits"], **rest)
+    assert torch.isnan(out.loss) and torch.isnan(out.logp[0, 1])
+    assert torch.isfinite(out.logp[1]).all()
+    with pytest.raises(ValueError, match="not finite"):
+        fastrl.policy_loss(batch["logits"], **rest, check_finite=True)
+    batch["logits"][0, 1, 4] = float("inf")  # +inf: that row's logp and H are NaN
+    out = fastrl.policy_loss(batch["logits"], **rest)
+    assert torch.isnan(out.loss) and torch.isnan(out.logp[0, 1]) and torch.isnan(out.entropy[0, 1])
+    with pytest.raises(ValueError, match="not finite"):
+        fastrl.policy_loss(batch["logits"], **rest, check_finite=True)
+    batch["mask"][0, 1] = False  # masked, still not hidden (as in the reference: NaN * 0)
+    assert torch.isnan(fastrl.policy_loss(batch["logits"], **rest).loss)
+
+
+def test_check_finite_passes_on_good_input(engine):
+    device, _ = engine
+    batch = make_batch(2, 3, 11, device=device)
+    out = fastrl.policy_loss(**batch, check_finite=True)
+    assert torch.isfinite(out.loss)
+
+
+def test_out_of_range_token_gives_nan_in_op(engine):
+    """Below the CPU value check (as on CUDA, where it is skipped): the op yields NaN logp."""
+    device, _ = engine
+    logits = torch.randn(1, 4, 9, device=device)
+    tokens = torch.tensor([[0, 9, -1, 8]], device=device)
+    logp, entropy = ops.token_logprobs(logits, tokens)
+    assert torch.isnan(logp[0, 1]) and torch.isnan(logp[0, 2])
+    assert torch.isfinite(logp[0, [0, 3]]).all() and torch.isfinite(entropy).all()
+
+
+def test_bad_inputs():
+    B, T, V = 2, 3, 7
+    logits, tokens, adv = torch.randn(B, T, V), torch.randint(0, V, (B, T)), torch.randn(B)
+    cases = [
+        (dict(tokens=tokens[:, :2]), r"tokens has shape \(2, 2\).*expected shape \(2, 3\)"),
+        (dict(tokens=tokens.float()), "tokens has shape .* dtype torch.float32.*int64 or int32"),
+        (dict(tokens=tokens + V), r"tokens must lie in \[0, V\) = \[0, 7\)"),
+        (dict(tokens=tokens - 1 - V), r"tokens must lie in \[0, V\)"),
+        (dict(logits=logits.long()), "logits has shape .*dtype float32, bfloat16 or float16"),
+        (dict(logits=logits[0, 0]), r"logits must be a tensor of shape \(B, T, V\) or \(N, V\)"),
+        (dict(advantages=torch.randn(B, T + 1)), r"advantages has shape \(2, 4\)"),
+        (dict(old_logp=torch.randn(B, 2)), r"old_logp has shape \(2, 2\).*like tokens"),
+        (dict(mask=torch.ones(B, 2)), r"mask has shape \(2, 2\)"),
+        (dict(mask=torch.ones(B, T, dtype=torch.int64)), r"mask has shape .*bool or float"),
+        (dict(ref_logp=torch.randn(B, T, device="meta")), r"ref_logp has shape .*device cpu"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(kl_coef=0.1), "needs ref_logp"),
+        (dict(config="grpo"), "needs ref_logp"),
+        (dict(rollout_is="token"), "needs rollout_logp"),
+        (dict(num_tokens=torch.ones(2)), "num_tokens has shape"),
+    ]
+    for change, match in cases:
+        kwargs = {**dict(logits=logits, tokens=tokens, advantages=adv), **change}
+        with pytest.raises(ValueError, match=match):
+            fastrl.policy_loss(**kwargs)
+    flat = dict(logits=logits[0], tokens=tokens[0], advantages=torch.randn(T))
+    with pytest.raises(ValueError, match="needs sequences"):
+        fastrl.policy_loss(**flat, agg="seq-mean-token-mean")
+
+
+def test_no_grad_inputs_and_outputs_detached():
+    batch = make_batch(2, 3, 11)
+    out = fastrl.policy_loss(**batch, config="grpo")
+    assert not out.loss.requires_grad
+    x = batch.pop("logits").requires_grad_()
+    out = fastrl.policy_loss(x, **batch, config="grpo")
+    assert out.loss.requires_grad and not out.logp.requires_grad and not out.kl.requires_grad
+
+
+def test_backend_env_validation(monkeypatch):
+    monkeypatch.setenv("FASTRL_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="FASTRL_BACKEND"):
+        ops.backend_for(torch.device("cpu"))
+    monkeypatch.setenv("FASTRL_BACKEND", "auto")
+    assert ops.backend_for(torch.device("cpu")) == "torch"
+
+
+def test_chunked_torch_path_bounds_chunks(monkeypatch):
+    """Several chunks per call (tiny CHUNK_BYTES) give the same numbers as one chunk."""
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    batch = make_batch(3, 7, 64, extra_t=1)
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 64 * 4 * 2)  # 2 rows per chunk
+    assert ops.chunk_rows(64) == 2
+    out = run_both(batch, view=lambda x: x[:, 1:], config="grpo", entropy_coef=0.01)
+    assert_match(*out)
+
+
+# --------------------------------------------------------------------------- randomized
+CONFIG_SPACE = st.fixed_dictionaries(
+    {
+        "policy": st.sampled_from(["ppo", "cispo", "sapo", "reinforce"]),
+        "ratio_level": st.sampled_from(["token", "sequence"]),
+        "kl_estimator": st.sampled_from(["k1", "k2", "k3", "low_var_kl", "abs"]),
+        "kl_coef": st.sampled_from([0.0, 0.1]),
+        "kl_bias_correction": st.booleans(),
+        "entropy_coef": st.sampled_from([0.0, 0.03]),
+        "temperature": st.sampled_from([0.6, 1.0, 1.7]),
+        "agg": st.sampled_from(
+            ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+        ),
+        "rollout_is": st.sampled_from([None, "token", "sequence"]),
+        "rollout_is_mode": st.sampled_from(["truncate", "mask"]),
+        "clip_dual": st.sampled_from([None, 2.0]),
+    }
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    cfg=CONFIG_SPACE,
+    B=st.integers(1, 3),
+    T=st.integers(1, 5),
+    V=st.integers(1, 70),
+    seed=st.integers(0, 10_000),
+    backend=st.sampled_from(["torch", "triton"] if INTERPRET else ["torch"]),
+)
+def test_randomized(cfg, B, T, V, seed, backend):
+    previous = os.environ.get("FASTRL_BACKEND")
+    os.environ["FASTRL_BACKEND"] = backend  # (hypothesis and function-scoped monkeypatch clash)
+    try:
+        batch = make_batch(B, T, V, seed=seed, rollout=cfg["rollout_is"] is not None)
+        config = LossConfig(**cfg)
+        assert_match(*run_both(batch, config=config))
+    finally:
+        if previous is None:
+            os.environ.pop("FASTRL_BACKEND", None)
+        else:
+            os.environ["FASTRL_BACKEND"] = previous
+
+
+# --------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+def test_gpu_bf16_qwen_vocab():
+    """bf16 at V = 151936 (Qwen2) on CUDA against the fp32 reference."""
+    batch = make_batch(2, 16, 151936, dtype=torch.bfloat16, device="cuda")
+    assert_match(*run_both(batch, config="grpo", entropy_coef=0.01), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    """N * V > 2^31 elements: row offsets must be int64. Checks the last rows only (cheap)."""
+    V = 151936
+    N = (2**31) // V + 64  # N * V > 2^31
+    logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16)
+    tokens = torch.randint(0, V, (N,), device="cuda")
+    x = logits.requires_grad_()
+    out = fastrl.policy_loss(x, tokens, torch.randn(N, device="cuda"))
+    out.loss.backward()
+    tail = slice(N - 4, N)
+    ref_logp, ref_ent = R.token_logprobs(logits[tail].detach(), tokens[tail])
+    torch.testing.assert_close(out.logp[tail], ref_logp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.entropy[tail], ref_ent, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(x.grad[tail].float()).all() and x.grad[tail].abs().sum() > 0
+    # the gradient rows sum to 0 (softmax Jacobian): a misplaced write would break this
+    assert x.grad[tail].float().sum(-1).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync():
+    batch = make_batch(2, 8, 1000, device="cuda")
+    x = batch.pop("logits").requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fastrl.policy_loss(x, **batch, config="grpo")
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
