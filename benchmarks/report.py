@@ -1,0 +1,114 @@
+"""Turn the benchmark results (benchmarks/results/*.json) into the Markdown table the README shows.
+
+    python benchmarks/report.py            # print the tables
+    python benchmarks/report.py --readme   # rewrite the block between the README's markers
+
+Every number comes from a results file; each table names the machine, versions and commit that
+produced it. Nothing is extrapolated: a device with no results file has no row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def _fmt(x, digits=1):
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def _machine(meta: dict) -> str:
+    commit = str(meta.get("git_commit", "?"))[:7]
+    return (
+        f"{meta.get('device_name', meta.get('device'))} ({meta.get('device')}), torch "
+        f"{meta.get('torch')}, triton {meta.get('triton')}, commit {commit}, {meta.get('time_utc')}"
+    )
+
+
+def _policy_loss(data: dict) -> list[str]:
+    meta, rows = data["meta"], data["rows"]
+    shape = meta["shape"]
+    lines = [
+        f"**Policy loss, forward + backward** (GRPO preset; N = {shape['B'] * shape['T']}, "
+        f"V = {shape['V']}, {shape['dtype']}); {_machine(meta)}",
+        "",
+        "| method | median ms (q20 - q80) | vs eager | peak MB | memory vs eager | GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {_fmt(r['total_ms'])} ({_fmt(r['total_ms_q20'])} - "
+            f"{_fmt(r['total_ms_q80'])}) | {_fmt(r.get('speedup_vs_eager'), 2)}x | "
+            f"{_fmt(r.get('peak_MB'), 0)} | {_fmt(r.get('memory_vs_eager'), 2)} | "
+            f"{_fmt(r.get('GBs'), 1)} |"
+        )
+    return lines
+
+
+def _generic(data: dict, title: str, speed_key: str) -> list[str]:
+    meta, rows = data["meta"], data["rows"]
+    lines = [
+        f"**{title}**; {_machine(meta)}",
+        "",
+        "| method | shape | median ms (q20 - q80) | speed-up | peak MB |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shape = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r)
+        lines.append(
+            f"| {r['method']} | {shape} | {_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - "
+            f"{_fmt(r['q80_ms'])}) | {_fmt(r.get(speed_key), 2)}x | {_fmt(r.get('peak_MB'), 0)} |"
+        )
+    return lines
+
+
+def tables() -> str:
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or "rows" not in data:
+            continue
+        name = path.stem
+        if name.startswith("bench_policy_loss"):
+            block = _policy_loss(data)
+        elif name.startswith("bench_gae"):
+            block = _generic(data, "GAE vs the per-step loop", "speedup_vs_loop")
+        elif name.startswith("bench_sample"):
+            block = _generic(
+                data, "Sampler vs multinomial + log_softmax gather", "speedup_vs_baseline"
+            )
+        else:
+            continue
+        out += block + ["", f"(from `benchmarks/results/{path.name}`)", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help=f"replace the text between {START} and {END} in README.md with the tables",
+    )
+    args = parser.parse_args()
+    text = tables()
+    if not args.readme:
+        print(text)
+        return
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    if START not in body or END not in body:
+        raise SystemExit(f"README.md has no {START} ... {END} block")
+    head, rest = body.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{text}{END}{tail}")
+    print("README.md updated")
+
+
+if __name__ == "__main__":
+    main()
