@@ -16,7 +16,13 @@ from .advantages import (
     whiten,
 )
 from .config import LossConfig
-from .losses import PolicyLossOutput, logprobs, policy_loss, value_loss
+from .losses import (
+    PolicyLossOutput,
+    fused_linear_policy_loss,
+    logprobs,
+    policy_loss,
+    value_loss,
+)
 from .sampling import sample
 
 __version__ = "0.1.0"
@@ -25,6 +31,7 @@ __all__ = [
     "LossConfig",
     "PolicyLossOutput",
     "dynamic_sampling_filter",
+    "fused_linear_policy_loss",
     "gae",
     "group_advantages",
     "logprobs",
