@@ -1,0 +1,196 @@
+"""Atomic checkpoints: `DIR/checkpoints/step-NNNNNN/` holds safetensors weights, the optimizer
+state (torch.save) and a JSON state (step, RNG states, config); `DIR/checkpoints/latest` names
+the newest complete one.
+
+Every checkpoint is written into a temporary directory, each file fsync'ed, then renamed into
+place; only then is `latest` replaced (temp file + fsync + os.replace). A save interrupted at any
+point leaves the previous checkpoint and the `latest` pointer intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+LATEST = "latest"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb+") as f:
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON to `path` through a fsync'ed temp file in the same directory + os.replace."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(d)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------- RNG states
+def rng_state(extra_generators: dict[str, torch.Generator], pyrngs: dict[str, random.Random]):
+    """Every RNG state as a JSON-able dict: torch (CPU and CUDA), python, numpy, and the given
+    torch.Generators and random.Random instances."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state().tolist(),
+        "python": _py_state(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
+        "generators": {k: g.get_state().tolist() for k, g in extra_generators.items()},
+        "pyrngs": {k: _py_state(r.getstate()) for k, r in pyrngs.items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _py_state(s):
+    return [s[0], list(s[1]), s[2]]
+
+
+def _py_unstate(s):
+    return (s[0], tuple(s[1]), s[2])
+
+
+def set_rng_state(
+    state, extra_generators: dict[str, torch.Generator], pyrngs: dict[str, random.Random]
+) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    random.setstate(_py_unstate(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), int(n[2]), int(n[3]), n[4]))
+    for k, g in extra_generators.items():
+        g.set_state(torch.tensor(state["generators"][k], dtype=torch.uint8))
+    for k, r in pyrngs.items():
+        r.setstate(_py_unstate(state["pyrngs"][k]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# --------------------------------------------------------------------------- save / load
+def save_checkpoint(
+    root: str,
+    step: int,
+    models: dict,
+    optim_state: dict,
+    state: dict,
+    rank_states: list[dict] | None = None,
+    keep: int = 2,
+) -> str:
+    """Write checkpoint `step` under `root` atomically; return its directory.
+
+    models: name -> nn.Module (weights saved as NAME.safetensors); optim_state: anything
+    torch.save can write (optimizer + scheduler); state: JSON (step, config, RNG of rank 0);
+    rank_states: one JSON RNG state per rank (distributed runs)."""
+    from safetensors.torch import save_model
+
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-step-")
+    try:
+        for name, model in models.items():
+            path = os.path.join(tmp, f"{name}.safetensors")
+            save_model(model, path)
+            _fsync_file(path)
+        path = os.path.join(tmp, "optimizer.pt")
+        torch.save(optim_state, path)
+        _fsync_file(path)
+        for r, rs in enumerate(rank_states or []):
+            path = os.path.join(tmp, f"rng_rank{r}.json")
+            with open(path, "w") as f:
+                json.dump(rs, f)
+            _fsync_file(path)
+        path = os.path.join(tmp, "state.json")
+        with open(path, "w") as f:
+            json.dump(state, f)
+        _fsync_file(path)
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # a re-save of the same step: move the old one aside first
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_json_atomic(os.path.join(root, LATEST), {"step": step, "dir": os.path.basename(final)})
+    # prune older complete checkpoints, keeping the newest `keep`
+    done = sorted(d for d in os.listdir(root) if d.startswith("step-") and "." not in d)
+    for d in done[:-keep]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint directory under `root`, or None."""
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            d = os.path.join(root, json.load(f)["dir"])
+        if os.path.isfile(os.path.join(d, "state.json")):
+            return d
+    if not os.path.isdir(root):
+        return None
+    done = sorted(
+        d
+        for d in os.listdir(root)
+        if d.startswith("step-")
+        and "." not in d
+        and os.path.isfile(os.path.join(root, d, "state.json"))
+    )
+    return os.path.join(root, done[-1]) if done else None
+
+
+def load_checkpoint(ckpt: str, models: dict, device) -> tuple[dict, dict]:
+    """Load weights into `models` (name -> module); return (optimizer state, JSON state)."""
+    from safetensors.torch import load_model
+
+    for name, model in models.items():
+        load_model(model, os.path.join(ckpt, f"{name}.safetensors"), device=str(device))
+    optim_state = torch.load(
+        os.path.join(ckpt, "optimizer.pt"), map_location=device, weights_only=False
+    )
+    with open(os.path.join(ckpt, "state.json")) as f:
+        state = json.load(f)
+    return optim_state, state
+
+
+def load_rank_rng(ckpt: str, rank: int) -> dict | None:
+    path = os.path.join(ckpt, f"rng_rank{rank}.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,302 @@
+"""Rollouts for any Hugging Face causal LM: G samples per prompt with a KV cache and fastrl's
+sampler, then the log-probs of pi_old and pi_ref from one no-grad forward each.
+
+Also here: loading a local model (`load_model`) and the embedded default, a tiny random-init
+Qwen2 decoder over a character-level tokenizer shipped as `fastrl/assets/tokenizer.json`
+(`default_model`). Nothing here downloads anything.
+
+Shapes: B prompts, G samples each, N = B * G sequences, P padded prompt length, T generated
+length (<= max_new_tokens), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .losses import logprobs
+from .sampling import sample
+
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+TOKENIZER_FILE = os.path.join(ASSETS, "tokenizer.json")
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+CHARS = "0123456789+-*=[]()., ?:abcdefghijklmnopqrstuvwxyz"
+
+
+# --------------------------------------------------------------------------- tokenizer / models
+def build_char_tokenizer(path: str = TOKENIZER_FILE) -> None:
+    """Write the character-level tokenizer of the embedded model (one token per character of
+    CHARS, plus <pad>, <eos>, <unk>) as a `tokenizers` JSON file."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(path)
+
+
+def default_tokenizer():
+    """The embedded character-level tokenizer as a PreTrainedTokenizerFast (offline)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not os.path.isfile(TOKENIZER_FILE):  # pragma: no cover - the file ships with the package
+        build_char_tokenizer()
+    return PreTrainedTokenizerFast(
+        tokenizer_file=TOKENIZER_FILE,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+    )
+
+
+def default_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A tiny random-init Qwen2 decoder (built from a config, nothing downloaded)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model
+
+
+def attn_implementation() -> str:
+    """flash_attention_2 when flash_attn is importable (and CUDA is there), else sdpa."""
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None):
+    """(model, tokenizer): the embedded default when `path` is None, else a local HF causal LM
+    directory (config.json + weights + tokenizer files). Raises ValueError saying what to fix."""
+    if path is None:
+        tok = default_tokenizer()
+        return default_model(len(tok), seed=seed), tok
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"--model {path!r} is not a local Hugging Face model directory (no config.json); "
+            "pass a directory written by save_pretrained, or omit --model for the embedded one"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            attn_implementation=attn_implementation(),
+            dtype=dtype or torch.float32,
+        )
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(
+            f"--model {path!r} is not a causal LM that transformers can load: {e}"
+        ) from e
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, padding_side="left")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--model {path!r} has no usable tokenizer files: {e}") from e
+    if tok.eos_token_id is None:
+        eos = config.eos_token_id
+        if eos is None:
+            raise ValueError(f"--model {path!r}: neither the tokenizer nor config has an EOS token")
+        tok.eos_token_id = eos if isinstance(eos, int) else eos[0]
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def eos_ids(tokenizer, model=None) -> list[int]:
+    """Every token id that ends a completion: the tokenizer's EOS plus the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(extra)
+    return sorted(i for i in ids if i is not None)
+
+
+# --------------------------------------------------------------------------- rollout
+@dataclass
+class Rollout:
+    """A batch of N = B * G completions; sequence i answers prompt i // G.
+
+    Row t of the completion tensors is the t-th generated token; positions after the EOS (and
+    the whole tail of shorter sequences) hold the pad id and mask 0; the EOS itself counts."""
+
+    prompt_ids: Tensor  # (N, P) int64, left-padded
+    prompt_mask: Tensor  # (N, P) int64, 1 = real prompt token
+    completion_ids: Tensor  # (N, T) int64
+    completion_mask: Tensor  # (N, T) float32, 1 up to and including the EOS
+    sampler_logp: Tensor  # (N, T) float32, the sampler's log-prob of each token (0 when masked)
+    lengths: Tensor  # (N,) int64, completion lengths (EOS included)
+    truncated: Tensor  # (N,) bool, True when no EOS came within max_new_tokens
+    group_size: int = 1
+
+    def select(self, idx: Tensor) -> Rollout:
+        """The sequences `idx` (N',) as a new Rollout (group_size kept)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Rollout(**{k: (v[idx] if isinstance(v, Tensor) else v) for k, v in kw.items()})
+
+    @staticmethod
+    def cat(parts: list[Rollout], pad_id: int = 0) -> Rollout:
+        """Concatenate rollouts, re-padding prompts (left) and completions (right) with
+        `pad_id` (mask 0)."""
+        P = max(r.prompt_ids.shape[1] for r in parts)
+        T = max(r.completion_ids.shape[1] for r in parts)
+
+        def lpad(x, n, v):
+            return torch.nn.functional.pad(x, (n - x.shape[1], 0), value=v)
+
+        def rpad(x, n, v):
+            return torch.nn.functional.pad(x, (0, n - x.shape[1]), value=v)
+
+        return Rollout(
+            prompt_ids=torch.cat([lpad(r.prompt_ids, P, pad_id) for r in parts]),
+            prompt_mask=torch.cat([lpad(r.prompt_mask, P, 0) for r in parts]),
+            completion_ids=torch.cat([rpad(r.completion_ids, T, pad_id) for r in parts]),
+            completion_mask=torch.cat([rpad(r.completion_mask, T, 0.0) for r in parts]),
+            sampler_logp=torch.cat([rpad(r.sampler_logp, T, 0.0) for r in parts]),
+            lengths=torch.cat([r.lengths for r in parts]),
+            truncated=torch.cat([r.truncated for r in parts]),
+            group_size=parts[0].group_size,
+        )
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
+    """(ids, mask), both (len(prompts), max length) int64, padded on the left."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
+
+    Every step draws the next token of all unfinished sequences with `fastrl.sample` on the last
+    logits row (temperature 0 = greedy) and records its log-prob under the sampling distribution.
+    A sequence stops at its first EOS or after `max_new_tokens` tokens; the loop stops when all
+    have stopped. Positions are counted from the first real prompt token, as in HF `generate`."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    device = next(model.parameters()).device
+    eos = torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=device
+    )
+    ids, attn = left_pad([p for p in prompts for _ in range(group_size)], pad_token_id, device)
+    N = ids.shape[0]
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+    past, logits = out.past_key_values, out.logits[:, -1]  # (N, V)
+    next_pos = positions[:, -1] + 1  # (N,)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    toks, logps, masks = [], [], []
+    for _ in range(max_new_tokens):
+        tok, logp, _ = sample(
+            logits.float(), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        alive = ~done
+        tok = torch.where(alive, tok, torch.full_like(tok, pad_token_id))
+        toks.append(tok)
+        logps.append(torch.where(alive, logp.float(), 0.0))
+        masks.append(alive.float())
+        done = done | torch.isin(tok, eos)
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            past_key_values=past,
+            use_cache=True,
+        )
+        past, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = next_pos + 1
+    completion_mask = torch.stack(masks, 1)
+    return Rollout(
+        prompt_ids=ids,
+        prompt_mask=attn[:, : ids.shape[1]],
+        completion_ids=torch.stack(toks, 1),
+        completion_mask=completion_mask,
+        sampler_logp=torch.stack(logps, 1),
+        lengths=completion_mask.sum(1).long(),
+        truncated=~done,
+        group_size=group_size,
+    )
+
+
+def forward_completion_logits(model, rollout: Rollout, idx: Tensor | None = None):
+    """The model's logits over the completion: a (n, T, V) VIEW `logits[:, P-1:-1]` of one
+    forward over [prompt | completion] (rows `idx` of the rollout, all when None)."""
+    p_ids, p_mask, c_ids = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
+    if idx is not None:
+        p_ids, p_mask, c_ids = p_ids[idx], p_mask[idx], c_ids[idx]
+    P = p_ids.shape[1]
+    input_ids = torch.cat([p_ids, c_ids], dim=1)
+    attn = torch.cat([p_mask, torch.ones_like(c_ids)], dim=1)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False)
+    return out.logits[:, P - 1 : -1], out
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model, rollout: Rollout, temperature: float = 1.0, chunk: int | None = None
+) -> Tensor:
+    """Log-probs (N, T) fp32 of the completion tokens under `model` (pi_old or pi_ref): one
+    no-grad forward through `fastrl.logprobs` (in chunks of `chunk` sequences when given).
+
+    This is always recomputed rather than taken from the sampler: the sampler's numbers come from
+    incremental KV-cache forwards, which agree with a full forward only up to rounding (and not
+    at all under a different inference engine or dtype), so the trainer uses these as pi_old and
+    the sampler's only for metrics (and rollout IS when enabled)."""
+    N = rollout.completion_ids.shape[0]
+    chunk = chunk or N
+    parts = []
+    for s in range(0, N, chunk):
+        idx = torch.arange(s, min(s + chunk, N), device=rollout.completion_ids.device)
+        logits, _ = forward_completion_logits(model, rollout, idx)
+        parts.append(logprobs(logits, rollout.completion_ids[idx], temperature=temperature).float())
+    return torch.cat(parts) * rollout.completion_mask

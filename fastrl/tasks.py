@@ -1,0 +1,182 @@
+"""Verifiable tasks: prompts with a known answer and a reward function that checks a completion.
+
+Built-in tasks are generated on the fly from a seeded `random.Random`, so a run is reproducible
+and never downloads anything:
+
+- `add`: addition of two operands in 0..49, `"47+38="` -> `"85"`, exact-answer reward (the
+  embedded default). Its supervised warm-up imitates a sloppy teacher whose answer is one too
+  high 75% of the time (`warmup_noise`).
+- `add_format`: the same sums, but the answer must be written as `"[85]"`; the reward is 0.2
+  for the format plus 0.8 for the right number (`rewards.bracket_format`).
+- `add_small`: single-digit addition (a fast variant for tests).
+- `arith`: addition and subtraction of operands in 0..99, exact-answer reward.
+
+A user task is a JSONL file, one `{"prompt": ..., "answer": ...}` object per line, scored by a
+built-in reward name or a `module:function` (see `fastrl.rewards`).
+
+`eval_accuracy` counts a completion as correct when its reward is >= 1 (the full reward of every
+built-in reward function).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+from .rewards import RewardFn, resolve_reward
+
+EVAL_SEED_OFFSET = 1_000_003  # eval prompts come from a stream disjoint from the training one
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt and the answer a reward function checks completions against."""
+
+    prompt: str
+    answer: str
+
+
+class Task:
+    """Base class: `sample` draws training examples, `eval_examples` is a fixed eval set,
+    `target` is the supervised completion of an example (used by the optional warm-up)."""
+
+    name: str = "task"
+    reward_fn: RewardFn
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        raise NotImplementedError
+
+    def eval_examples(self, n: int, seed: int) -> list[Example]:
+        return self.sample(random.Random(seed + EVAL_SEED_OFFSET), n)
+
+    def target(self, example: Example) -> str:
+        return example.answer
+
+    def warmup_examples(self, rng: random.Random, n: int) -> list[Example]:
+        """Examples for the supervised warm-up (by default the training distribution)."""
+        return self.sample(rng, n)
+
+    def chars(self) -> str:
+        """Every character prompts and targets may contain (checked against the tokenizer)."""
+        return ""
+
+
+class ArithmeticTask(Task):
+    """`a+b=` (and `a-b=` when `ops` has `-`) with operands in 0..`hi` (default: every number
+    of at most `digits` digits). Subtraction results are kept non-negative."""
+
+    def __init__(
+        self,
+        name: str = "add",
+        digits: int = 2,
+        ops: str = "+",
+        fmt: bool = False,
+        hi: int | None = None,
+        warmup_noise: float = 0.0,
+    ):
+        if digits < 1:
+            raise ValueError(f"digits must be >= 1, got {digits}")
+        self.name, self.digits, self.ops, self.fmt = name, digits, ops, fmt
+        self.hi = 10**digits - 1 if hi is None else hi
+        self.warmup_noise = warmup_noise
+        if warmup_noise > 0:
+            self.warmup_note = (
+                f" imitating a sloppy teacher whose answer is one too high "
+                f"{warmup_noise:.0%} of the time"
+            )
+        self.reward_fn = resolve_reward("bracket_format" if fmt else "exact_match")
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        hi = self.hi
+        out = []
+        for _ in range(n):
+            a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(self.ops)
+            if op == "-" and b > a:
+                a, b = b, a  # non-negative results
+            out.append(Example(f"{a}{op}{b}=", str(a + b if op == "+" else a - b)))
+        return out
+
+    def target(self, example: Example) -> str:
+        return f"[{example.answer}]" if self.fmt else example.answer
+
+    def warmup_examples(self, rng: random.Random, n: int) -> list[Example]:
+        """Training examples whose answer is off by one (too high) with probability
+        `warmup_noise`: a sloppy teacher that is right only part of the time, so that imitating
+        it teaches the format and most of the skill but leaves greedy accuracy low."""
+        out = []
+        for ex in self.sample(rng, n):
+            if rng.random() < self.warmup_noise:
+                ex = Example(ex.prompt, str(int(ex.answer) + 1))
+            out.append(ex)
+        return out
+
+    def chars(self) -> str:
+        return "0123456789=" + self.ops + ("[]" if self.fmt else "")
+
+
+class JsonlTask(Task):
+    """A user task: `{"prompt": str, "answer": str}` per line; prompts drawn uniformly."""
+
+    def __init__(self, path: str, reward: str | RewardFn = "exact_match"):
+        self.name = os.path.basename(path)
+        self.path = path
+        self.reward_fn = resolve_reward(reward)
+        self.examples = load_jsonl(path)
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        return [rng.choice(self.examples) for _ in range(n)]
+
+    def eval_examples(self, n: int, seed: int) -> list[Example]:
+        return self.examples[:n]
+
+
+def load_jsonl(path: str) -> list[Example]:
+    """Examples from a JSONL file; a malformed line raises ValueError with its line number."""
+    if not os.path.isfile(path):
+        raise ValueError(f"task file {path!r} does not exist")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(
+                    f'{path}:{lineno}: expected an object {{"prompt": str, "answer": ...}}'
+                )
+            if "answer" not in obj or obj["answer"] is None:
+                raise ValueError(f'{path}:{lineno}: missing "answer"')
+            examples.append(Example(obj["prompt"], str(obj["answer"])))
+    if not examples:
+        raise ValueError(f"task file {path!r} has no examples")
+    return examples
+
+
+BUILTIN_TASKS = {
+    "add": lambda: ArithmeticTask("add", digits=2, ops="+", hi=49, warmup_noise=0.75),
+    "add_format": lambda: ArithmeticTask(
+        "add_format", digits=2, ops="+", fmt=True, hi=49, warmup_noise=0.75
+    ),
+    "arith": lambda: ArithmeticTask("arith", digits=2, ops="+-"),
+    "add_small": lambda: ArithmeticTask("add_small", digits=1, ops="+", warmup_noise=0.75),
+}
+
+
+def get_task(spec: str, reward: str | RewardFn | None = None) -> Task:
+    """A built-in task by name, or a JSONL task from a path ending in .jsonl."""
+    if spec in BUILTIN_TASKS:
+        task = BUILTIN_TASKS[spec]()
+        if reward is not None:
+            task.reward_fn = resolve_reward(reward)
+        return task
+    if spec.endswith(".jsonl") or os.path.isfile(spec):
+        return JsonlTask(spec, reward or "exact_match")
+    raise ValueError(
+        f"unknown task {spec!r}: use a built-in task {sorted(BUILTIN_TASKS)} or a path to a "
+        '.jsonl file with one {"prompt": ..., "answer": ...} object per line'
+    )

@@ -1,0 +1,196 @@
+"""`fastrl` CLI: --help documents every option, bad input fails before training with a message
+that says what to fix, a short run writes config.json / metrics.jsonl / curves.png."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+
+from fastrl.cli import build_parser, main
+from fastrl.config import TrainConfig
+
+TINY = [
+    "--model-hidden",
+    "32",
+    "--model-layers",
+    "1",
+    "--batch-size",
+    "4",
+    "--group-size",
+    "2",
+    "--sft-steps",
+    "0",
+    "--eval-size",
+    "8",
+    "--max-new-tokens",
+    "4",
+    "--progress",
+    "false",
+]
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in text
+    for flag in [
+        "--algo",
+        "--model",
+        "--task",
+        "--steps",
+        "--batch-size",
+        "--group-size",
+        "--lr",
+        "--max-new-tokens",
+        "--seed",
+        "--out",
+        "--resume",
+        "--device",
+    ]:
+        assert flag in text
+    # every option has a real help text (its docstring), not just the default
+    actions = build_parser()._subparsers._group_actions[0].choices["train"]._actions
+    for a in actions:
+        if a.dest != "help":
+            assert len(a.help) > 25, a.dest
+
+
+def test_bench_stub(capsys):
+    assert main(["bench"]) == 0
+    assert "benchmarks/" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--algo", "trpo"], "invalid choice"),
+        (["--task", "chess"], "unknown task 'chess'"),
+        (["--algo", "grpo", "--group-size", "1"], "group-size"),
+        (["--algo", "dapo", "--group-size", "1"], "group-size"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--steps", "0"], "--steps"),
+        (
+            ["--device", "cuda:7"]
+            if not __import__("torch").cuda.is_available()
+            else ["--device", "nonsense"],
+            "--device",
+        ),
+    ],
+)
+def test_bad_input_fails_before_training(args, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    try:
+        rc = main(["train", "--out", str(out), *TINY, *args])
+    except SystemExit as e:  # argparse's own errors (invalid choice)
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_model_path_that_is_not_a_causal_lm(tmp_path, capsys):
+    d = tmp_path / "notamodel"
+    d.mkdir()
+    assert main(["train", "--model", str(d), "--out", str(tmp_path / "o"), *TINY]) == 2
+    assert "not a local Hugging Face model directory" in capsys.readouterr().err
+    # a config.json that transformers cannot map to a causal LM
+    (d / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
+    assert main(["train", "--model", str(d), "--out", str(tmp_path / "o"), *TINY]) == 2
+    assert "not a causal LM" in capsys.readouterr().err
+
+
+def test_malformed_jsonl_names_the_line(tmp_path, capsys):
+    f = tmp_path / "task.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')
+    assert main(["train", "--task", str(f), "--out", str(tmp_path / "o"), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "task.jsonl:2" in err and "not valid JSON" in err
+    f.write_text('{"prompt": "1+1="}\n')
+    assert main(["train", "--task", str(f), "--out", str(tmp_path / "o"), *TINY]) == 2
+    assert 'task.jsonl:1: missing "answer"' in capsys.readouterr().err
+
+
+def test_unknown_reward(tmp_path, capsys):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    rc = main(["train", "--task", str(f), "--reward", "nope", "--out", str(tmp_path / "o"), *TINY])
+    assert rc == 2 and "unknown reward 'nope'" in capsys.readouterr().err
+
+
+def test_short_run_writes_outputs_and_counts_reward_errors(tmp_path, capsys, monkeypatch):
+    # a user task with a user reward given as module:function that raises on some inputs
+    mod = tmp_path / "my_rewards.py"
+    mod.write_text(
+        "def flaky(completion, answer):\n"
+        "    if completion.startswith('1'):\n"
+        "        raise RuntimeError('boom')\n"
+        "    return float(completion.strip() == answer)\n"
+        "def always(completion, answer):\n"
+        "    raise RuntimeError('boom')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    task = tmp_path / "sums.jsonl"
+    task.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(10))
+    )
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "train",
+            "--task",
+            str(task),
+            "--reward",
+            "my_rewards:always",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "--eval-every",
+            "1",
+            *TINY,
+        ]
+    )
+    assert rc == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["reward"] == "my_rewards:always" and cfg["steps"] == 2
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0] == {"step": 0, "eval_accuracy": 0.0}
+    steps = [r for r in recs if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        for key in [
+            "reward_mean",
+            "loss",
+            "kl",
+            "entropy",
+            "clipfrac",
+            "response_len",
+            "tokens_per_s",
+            "eval_accuracy",
+        ]:
+            assert key in r, key
+        assert r["reward_errors"] == 8  # every completion's reward raised: counted, scored 0
+        assert r["reward_mean"] == 0.0
+    assert (out / "curves.png").stat().st_size > 1000
+    assert os.path.isdir(out / "checkpoints")
+    assert "done: grpo" in capsys.readouterr().out
+
+
+def test_resume_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--save-every", "1", "--out", str(out), *TINY]) == 0
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert main(["train", "--resume", str(out), "--steps", "3", "--progress", "false"]) == 0
+    again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    assert again[:3] == recs
+    assert json.loads((out / "config.json").read_text())["steps"] == 3
+    # no such run: an error that says so, not a fresh run
+    assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""Rollout: greedy equals HF generate, sampler log-probs equal the recomputed ones, masks after
+EOS, loading a saved model through fastrl's loader."""
+
+import pytest
+import torch
+
+from fastrl.rollout import (
+    Rollout,
+    default_model,
+    default_tokenizer,
+    generate,
+    left_pad,
+    load_model,
+    sequence_logprobs,
+)
+
+PROMPTS = ["12+3=", "7+45=", "99+99=", "1=", "0+0+0+0="]
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """A tiny random Qwen2 + the char tokenizer, written with save_pretrained."""
+    path = tmp_path_factory.mktemp("tiny_lm")
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=3, hidden=32, layers=2)
+    with torch.no_grad():  # make EOS likely enough that some rows stop early
+        model.model.embed_tokens.weight[tok.eos_token_id] *= 6
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _ids(tok, prompts):
+    return [tok(p).input_ids for p in prompts]
+
+
+def test_load_and_greedy_equals_hf_generate(saved_model):
+    model, tok = load_model(saved_model)
+    model.eval()
+    prompts = _ids(tok, PROMPTS)
+    r = generate(model, prompts, 1, 10, tok.eos_token_id, tok.pad_token_id, temperature=0.0)
+    ids, attn = left_pad(prompts, tok.pad_token_id)
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )[:, ids.shape[1] :]
+    assert r.completion_ids.shape == ref.shape
+    assert torch.equal(r.completion_ids, ref)
+
+
+def test_group_samples_and_sampler_logp_equal_recomputed(saved_model):
+    model, tok = load_model(saved_model)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    r = generate(
+        model,
+        _ids(tok, PROMPTS),
+        4,
+        8,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        temperature=1.0,
+        generator=gen,
+    )
+    assert r.completion_ids.shape[0] == len(PROMPTS) * 4 and r.group_size == 4
+    assert not torch.equal(r.completion_ids[0], r.completion_ids[1]) or not torch.equal(
+        r.completion_ids[1], r.completion_ids[2]
+    )  # samples differ within a group
+    old = sequence_logprobs(model, r, temperature=1.0, chunk=7)
+    m = r.completion_mask.bool()
+    ratio = torch.exp(old - r.sampler_logp)[m]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    assert (old[~m] == 0).all()
+    # a temperature is applied to both the sampler and the recomputation
+    r2 = generate(
+        model,
+        _ids(tok, PROMPTS),
+        2,
+        6,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        temperature=0.7,
+        generator=gen,
+    )
+    old2 = sequence_logprobs(model, r2, temperature=0.7)
+    m2 = r2.completion_mask.bool()
+    torch.testing.assert_close(old2[m2], r2.sampler_logp[m2], atol=1e-5, rtol=0)
+
+
+def test_masks_after_eos():
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=1, hidden=32, layers=1).eval()
+    prompts = _ids(tok, PROMPTS)
+    free = generate(model, prompts, 1, 8, tok.eos_token_id, tok.pad_token_id, temperature=0.0)
+    # declare as EOS a token that row 0 produces at step 2: rows stop at its first occurrence
+    eos = int(free.completion_ids[0, 2])
+    r = generate(model, prompts, 1, 8, eos, tok.pad_token_id, temperature=0.0)
+    stopped = 0
+    for i in range(len(prompts)):
+        row = free.completion_ids[i].tolist()
+        first = row.index(eos) if eos in row else None
+        n = 8 if first is None else first + 1
+        assert int(r.lengths[i]) == n
+        assert bool(r.truncated[i]) == (first is None)
+        assert r.completion_mask[i, :n].eq(1).all() and r.completion_mask[i, n:].eq(0).all()
+        assert r.completion_ids[i, :n].tolist() == row[:n]
+        assert r.completion_ids[i, n:].eq(tok.pad_token_id).all()
+        assert r.sampler_logp[i, n:].eq(0).all()
+        stopped += first is not None
+    assert stopped >= 1
+    assert r.completion_ids.shape[1] <= 8
+
+
+def test_select_and_cat_roundtrip():
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=1, hidden=32, layers=1).eval()
+    r = generate(
+        model,
+        _ids(tok, PROMPTS),
+        2,
+        5,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        generator=torch.Generator().manual_seed(1),
+    )
+    a, b = r.select(torch.arange(0, 4)), r.select(torch.arange(4, 10))
+    c = Rollout.cat([a, b])
+    assert torch.equal(c.completion_ids, r.completion_ids)
+    assert torch.equal(c.prompt_ids, r.prompt_ids)
+    assert torch.equal(c.completion_mask, r.completion_mask)
+
+
+def test_bad_inputs():
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=1, hidden=32, layers=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [[4]], 1, 0, tok.eos_token_id, tok.pad_token_id)
+    with pytest.raises(ValueError, match="not a local Hugging Face model"):
+        load_model("/nonexistent/dir")

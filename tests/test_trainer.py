@@ -1,0 +1,269 @@
+"""Trainer: 2-process gloo == 1 process on the same data, resume == uninterrupted, an
+interrupted save keeps the last good checkpoint, and each algorithm learns a small task."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastrl import checkpoint as ckpt_io
+from fastrl.advantages import group_advantages
+from fastrl.config import TrainConfig
+from fastrl.rollout import generate, sequence_logprobs
+from fastrl.trainer import Batch, Trainer, read_metrics
+
+TIMING = {"tokens_per_s", "step_time_s"}
+
+
+def tiny(**kw) -> TrainConfig:
+    base = dict(
+        model_hidden=32,
+        model_layers=1,
+        batch_size=4,
+        group_size=4,
+        sft_steps=0,
+        eval_size=16,
+        max_new_tokens=4,
+        progress=False,
+        eval_every=2,
+        steps=2,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ----------------------------------------------------------------------- data parallel
+def _fixed_batch(trainer: Trainer) -> Batch:
+    """The same rollout batch in every process (seeded); each rank keeps its contiguous share
+    and computes advantages on it as the trainer does (PPO whitens over all ranks)."""
+    ex = trainer.task.sample(__import__("random").Random(123), 4)
+    r = generate(
+        trainer.policy,
+        trainer.encode(ex),
+        4,
+        4,
+        trainer.eos,
+        trainer.pad_id,
+        generator=torch.Generator().manual_seed(5),
+    )
+    rewards = torch.tensor([float(i % 3 == 0) for i in range(r.completion_ids.shape[0])])
+    rewards = rewards + 0.1 * r.lengths.float()
+    n = r.completion_ids.shape[0] // trainer.world
+    idx = torch.arange(trainer.rank * n, (trainer.rank + 1) * n)
+    r, rewards = r.select(idx), rewards[idx]
+    old = sequence_logprobs(trainer.policy, r)
+    ref = sequence_logprobs(trainer.ref, r) if trainer.ref is not None else None
+    if trainer.cfg.algo == "ppo":
+        return trainer._ppo_advantages(r, rewards, old, ref)
+    return Batch(r, group_advantages(rewards, group_size=4), old, ref)
+
+
+def _update_once(algo: str, grad_accum: int) -> dict:
+    """One `update` on the fixed batch (this rank's contiguous share of it)."""
+    t = Trainer(
+        tiny(
+            algo=algo,
+            grad_accum=grad_accum,
+            minibatches=1,
+            device="cpu",
+            num_threads=1,
+            kl_coef=0.1 if algo != "dapo" else None,
+        ),
+        log=lambda *a: None,
+    )
+    t.setup()
+    out = t.update(_fixed_batch(t))
+    out["params"] = torch.cat([p.detach().flatten() for p in t.policy.parameters()]).tolist()
+    return out
+
+
+WORKER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+from test_trainer import _update_once
+out = _update_once({algo!r}, 1)
+if torch.distributed.get_rank() == 0:
+    with open({path!r}, "w") as f:
+        json.dump(out, f)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "ppo"])
+def test_two_process_gloo_equals_one_process(algo, tmp_path):
+    one = _update_once(algo, 2)  # one process, 2 micro-batches
+    script = tmp_path / "worker.py"
+    path = tmp_path / "out.json"
+    script.write_text(WORKER.format(tests=os.path.dirname(__file__), algo=algo, path=str(path)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+        ],
+        env=env,
+        timeout=240,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads(path.read_text())  # 2 gloo processes, 1 micro-batch each
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)
+    assert one["entropy"] == pytest.approx(two["entropy"], rel=1e-5)
+    assert one["kl"] == pytest.approx(two["kl"], rel=1e-4, abs=1e-7)
+    # one AdamW step from the same weights with the same gradient: the same weights
+    p1, p2 = torch.tensor(one["params"]), torch.tensor(two["params"])
+    assert (p1 - p2).abs().max() < 1e-4
+
+
+# ----------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
+def test_resume_equals_uninterrupted(tmp_path, algo):
+    full = tiny(algo=algo, steps=4, save_every=2, out=str(tmp_path / "full"), num_threads=1)
+    Trainer(full, log=lambda *a: None).train()
+    part = tiny(algo=algo, steps=2, save_every=2, out=str(tmp_path / "part"), num_threads=1)
+    Trainer(part, log=lambda *a: None).train()
+    resumed = tiny(
+        algo=algo,
+        steps=4,
+        save_every=2,
+        out=str(tmp_path / "part"),
+        resume=str(tmp_path / "part"),
+        num_threads=1,
+    )
+    Trainer(resumed, log=lambda *a: None).train()
+    a = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
+    b = read_metrics(str(tmp_path / "part" / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a[3:], b[3:]):
+        assert {k: v for k, v in ra.items() if k not in TIMING} == {
+            k: v for k, v in rb.items() if k not in TIMING
+        }
+
+
+def test_interrupted_save_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    cfg = tiny(steps=2, save_every=1, out=str(tmp_path / "run"), num_threads=1)
+    t = Trainer(cfg, log=lambda *a: None)
+    t.train()
+    root = str(tmp_path / "run" / "checkpoints")
+    good = ckpt_io.latest_checkpoint(root)
+    assert good.endswith("step-000002")
+    t.step = 3
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(ckpt_io.torch, "save", boom)  # dies after the weights, mid-checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        t.save()
+    monkeypatch.undo()
+    assert ckpt_io.latest_checkpoint(root) == good
+    assert not any(d.startswith(".tmp") for d in os.listdir(root))
+    # the pointer file itself may be lost: the newest complete directory is still found
+    os.unlink(os.path.join(root, "latest"))
+    assert ckpt_io.latest_checkpoint(root) == good
+    with open(os.path.join(good, "state.json")) as f:
+        assert json.load(f)["step"] == 2
+
+
+# ----------------------------------------------------------------------- learning
+LEARN = dict(
+    task="add_small",
+    model_hidden=64,
+    model_layers=2,
+    batch_size=16,
+    group_size=8,
+    sft_steps=300,
+    eval_size=100,
+    eval_every=10,
+    max_new_tokens=4,
+    progress=False,
+    num_threads=1,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo,steps", [("grpo", 30), ("dapo", 30), ("ppo", 30)])
+def test_algorithm_learns(tmp_path, algo, steps):
+    cfg = TrainConfig(algo=algo, steps=steps, out=str(tmp_path / algo), save_every=0, **LEARN)
+    Trainer(cfg, log=lambda *a: None).train()
+    evals = [
+        r["eval_accuracy"]
+        for r in read_metrics(str(tmp_path / algo / "metrics.jsonl"))
+        if "eval_accuracy" in r
+    ]
+    # the warm-up (a teacher that is off by one 75% of the time) leaves greedy accuracy low;
+    # RL on the exact-answer reward must raise it well above
+    assert evals[0] <= 0.3, evals
+    assert evals[-1] >= 0.7, evals
+
+
+# ----------------------------------------------------------------------- tasks, rewards, dapo
+def test_rewards_and_tasks():
+    import random
+
+    from fastrl.rewards import bracket_format, exact_match, last_number, resolve_reward, score
+    from fastrl.tasks import get_task
+
+    assert exact_match(" 85 ", "85") == 1.0 and exact_match("86", "85") == 0.0
+    assert bracket_format("[85]", "85") == 1.0
+    assert bracket_format("[84]", "85") == pytest.approx(0.2)
+    assert bracket_format("85", "85") == 0.0
+    assert last_number("so 3 then 85", "85") == 1.0
+    assert last_number("__import__('os').getcwd()", "0") == 0.0  # text is never evaluated
+    assert resolve_reward("exact_match") is exact_match
+    rewards, errors = score(
+        lambda c, a: 1 / 0 if c == "x" else float("nan") if c == "n" else 1,
+        ["x", "n", "ok"],
+        ["1", "1", "1"],
+    )
+    assert rewards == [0.0, 0.0, 1.0] and errors == 2
+    task = get_task("arith")
+    for ex in task.sample(random.Random(0), 200):
+        assert int(ex.answer) >= 0  # subtraction results stay non-negative
+    add = get_task("add")
+    exs = add.sample(random.Random(1), 100)
+    assert all(int(e.answer) == sum(map(int, e.prompt[:-1].split("+"))) for e in exs)
+    noisy = add.warmup_examples(random.Random(1), 400)
+    wrong = sum(int(e.answer) != sum(map(int, e.prompt[:-1].split("+"))) for e in noisy)
+    assert 0.6 < wrong / 400 < 0.9  # the sloppy teacher of the warm-up
+    assert get_task("add_format").target(exs[0]) == f"[{exs[0].answer}]"
+
+
+def test_dapo_with_no_informative_group_still_steps(tmp_path):
+    # every reward is 0: dynamic sampling keeps nothing after max_gen_batches; the step trains
+    # on a fully masked group (including empty micro-batches) and says the batch was not full
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "never"}\n')
+    cfg = tiny(
+        algo="dapo",
+        task=str(f),
+        group_size=2,
+        minibatches=2,
+        grad_accum=2,
+        steps=1,
+        max_gen_batches=2,
+        overlong_cache=0,
+        out=str(tmp_path / "o"),
+        num_threads=1,
+    )
+    t = Trainer(cfg, log=lambda *a: None)
+    before = [p.detach().clone() for p in t.policy.parameters()]
+    t.train()
+    rec = read_metrics(str(tmp_path / "o" / "metrics.jsonl"))[-1]
+    assert rec["kept_groups"] == 0 and rec["batch_full"] is False and rec["gen_batches"] == 2
+    assert rec["loss"] == 0.0
+    for b, p in zip(before, t.policy.parameters()):
+        assert torch.equal(b, p)  # zero gradient, AdamW without weight decay: unchanged
