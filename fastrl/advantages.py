@@ -232,7 +232,8 @@ def gae(
     δ = r_t + γ·next_v - V_t; a = δ + γλ·last; next_v <- m·V_t + (1-m)·next_v;
     last <- m·a + (1-m)·last; A_t = last. Returns (advantages, returns) fp32 (B, T) with
     returns = A + V (before whitening) and, when `whiten`, A whitened over counted tokens.
-    `check=True` raises on NaN rewards / values (a device sync on CUDA)."""
+    `check=True` raises on NaN rewards / values (a device sync on CUDA). Advantages and returns
+    are constants to the losses that use them: the inputs are detached (no gradient flows)."""
     expected = "shape (B, T)"
     _float_tensor("rewards", rewards, expected)
     _float_tensor("values", values, expected)
@@ -243,6 +244,7 @@ def gae(
             f"values has shape {tuple(values.shape)} on {values.device}; expected "
             f"{tuple(rewards.shape)} (like rewards) on {rewards.device}"
         )
+    rewards, values = rewards.detach(), values.detach()
     mask = _as_mask("mask", mask, rewards.shape, rewards.device, as_float=False)
     for name, val in (("gamma", gamma), ("lam", lam)):
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 <= val <= 1:

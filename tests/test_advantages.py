@@ -320,3 +320,11 @@ def test_whiten_fractional_mask_matches_reference(total):
 def test_reinforce_pp_rejects_a_scale():
     with pytest.raises(ValueError, match="scale"):
         fastrl.group_advantages(REWARDS, 3, scale="group", estimator="reinforce++")
+
+
+def test_gae_accepts_values_that_require_grad():
+    rewards, values = torch.randn(3, 7), torch.randn(3, 7, requires_grad=True)
+    adv, ret = fastrl.gae(rewards, values, torch.ones(3, 7), 0.9, 0.8)
+    expected = ref.gae(rewards, values.detach(), torch.ones(3, 7), 0.9, 0.8)
+    torch.testing.assert_close(adv, expected[0])
+    assert not adv.requires_grad and not ret.requires_grad
