@@ -1,7 +1,7 @@
 """Turn the benchmark results (benchmarks/results/*.json) into the Markdown table the README shows.
 
     python benchmarks/report.py            # print the tables
-    python benchmarks/report.py --readme   # rewrite the block between the README's markers
+    python benchmarks/report.py --readme   # rewrite the README blocks between its markers
 
 Every number comes from a results file; each table names the machine, versions and commit that
 produced it. Nothing is extrapolated: a device with no results file has no row.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+BLOCKS = ("train", "bench")  # README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
 
 
 def _fmt(x, digits=1):
@@ -67,24 +67,49 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     return lines
 
 
-def tables() -> str:
+def _training(data: dict) -> list[str]:
+    m = data["machine"]
+    lines = [
+        f"**`{data['command']}`** on {m['cpu']} ({m['cores']} cores), torch {data['torch']}, "
+        f"commit {data['git_commit'][:7]}",
+        "",
+        "| algo | wall (warm-up + RL) | RL steps/s | eval accuracy, step 0 -> last | peak RSS MB |",
+        "|---|---|---|---|---|",
+    ]
+    for algo, r in data["runs"].items():
+        lines.append(
+            f"| {algo} | {r['wall_s_total']:.0f} s | {r['rl_steps_per_s']:.1f} | "
+            f"{r['eval_accuracy_step0']:.3f} -> {r['eval_accuracy_final']:.3f} | "
+            f"{r['peak_rss_mb']} |"
+        )
+    return lines
+
+
+def tables(block: str) -> str:
+    """The Markdown of one README block: "train" (train_summary.json) or "bench" (the rest)."""
     out: list[str] = []
+    summary = RESULTS / "train_summary.json"
+    if block == "train":
+        if summary.exists():
+            out += _training(json.loads(summary.read_text()))
+            out += ["", f"(from `benchmarks/results/{summary.name}`)", ""]
+        return "\n".join(out).rstrip() + "\n"
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or "rows" not in data:
             continue
         name = path.stem
         if name.startswith("bench_policy_loss"):
-            block = _policy_loss(data)
+            lines = _policy_loss(data)
         elif name.startswith("bench_gae"):
-            block = _generic(data, "GAE vs the per-step loop", "speedup_vs_loop")
+            lines = _generic(data, "GAE vs the per-step loop", "speedup_vs_loop")
         elif name.startswith("bench_sample"):
-            block = _generic(
+            lines = _generic(
                 data, "Sampler vs multinomial + log_softmax gather", "speedup_vs_baseline"
             )
         else:
             continue
-        out += block + ["", f"(from `benchmarks/results/{path.name}`)", ""]
+        out += lines + ["", f"(from `benchmarks/results/{path.name}`)", ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -93,20 +118,24 @@ def main() -> None:
     parser.add_argument(
         "--readme",
         action="store_true",
-        help=f"replace the text between {START} and {END} in README.md with the tables",
+        help="replace the text between <!-- NAME:start --> and <!-- NAME:end --> in README.md, "
+        f"for NAME in {BLOCKS}, with the tables",
     )
     args = parser.parse_args()
-    text = tables()
     if not args.readme:
-        print(text)
+        for block in BLOCKS:
+            print(tables(block))
         return
     readme = ROOT / "README.md"
     body = readme.read_text()
-    if START not in body or END not in body:
-        raise SystemExit(f"README.md has no {START} ... {END} block")
-    head, rest = body.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}{END}{tail}")
+    for block in BLOCKS:
+        start, end = f"<!-- {block}:start -->", f"<!-- {block}:end -->"
+        if start not in body or end not in body:
+            raise SystemExit(f"README.md has no {start} ... {end} block")
+        head, rest = body.split(start, 1)
+        _, tail = rest.split(end, 1)
+        body = f"{head}{start}\n{tables(block)}{end}{tail}"
+    readme.write_text(body)
     print("README.md updated")
 
 
