@@ -123,9 +123,14 @@ def test_two_process_gloo_equals_one_process(algo, tmp_path):
     assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)
     assert one["entropy"] == pytest.approx(two["entropy"], rel=1e-5)
     assert one["kl"] == pytest.approx(two["kl"], rel=1e-4, abs=1e-7)
-    # one AdamW step from the same weights with the same gradient: the same weights
+    # one AdamW step from the same weights with the same gradient: the same weights. Adam's first
+    # step is lr * g / (|g| + eps), close to lr * sign(g): a gradient entry within rounding of 0
+    # (summed in another order across ranks) may legitimately land on the other side, so a
+    # handful of entries (not more than 0.1%) may differ by up to 2 * lr.
     p1, p2 = torch.tensor(one["params"]), torch.tensor(two["params"])
-    assert (p1 - p2).abs().max() < 1e-4
+    off = (p1 - p2).abs() > 1e-4
+    assert off.float().mean() < 1e-3, f"{int(off.sum())} of {off.numel()} weights differ"
+    assert (p1 - p2).abs().max() < 2.5e-3
 
 
 # ----------------------------------------------------------------------- checkpoints
