@@ -6,7 +6,8 @@
 For each algorithm: `fastrl train --algo ALGO --out <tmp>` in a child process; then
 benchmarks/results/train_<algo>.png (the run's curves), train_<algo>.metrics.jsonl (its per-step
 records) and one train_summary.json: wall time (warm-up and evaluations included), RL steps/s
-(from the per-step times), greedy eval accuracy at step 0 and at the end, peak RSS of the child,
+(from the per-step times), greedy eval accuracy at step 0 and at the end, peak RSS of the child
+(wait4's rusage),
 with the machine, versions and git commit.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import shlex
 import shutil
 import subprocess
@@ -31,11 +32,12 @@ from _common import RESULTS_DIR, device_info  # noqa: E402
 def run_one(algo: str, extra: list[str], workdir: Path) -> dict:
     out = workdir / algo
     cmd = ["fastrl", "train", "--algo", algo, "--out", str(out), "--progress", "false", *extra]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    child = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own resource usage
     wall = time.perf_counter() - start
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # max over children so far
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{shlex.join(cmd)} failed with status {status}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     steps = [r for r in records if "step_time_s" in r]
@@ -50,8 +52,7 @@ def run_one(algo: str, extra: list[str], workdir: Path) -> dict:
         "eval_accuracy_step0": evals[0][1],
         "eval_accuracy_final": evals[-1][1],
         "eval_accuracy_by_step": evals,
-        "peak_rss_mb": round(max(peak_kb, before) / 1024),
-        "peak_rss_note": "max RSS over this and earlier child runs (getrusage RUSAGE_CHILDREN)",
+        "peak_rss_mb": round(usage.ru_maxrss / 1024),  # Linux: ru_maxrss in KiB
     }
 
 
