@@ -41,6 +41,7 @@ PEAK_BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM pea
 
 
 def git_commit() -> str:
+    """HEAD, with "-dirty" when the code differs from it (results files do not count)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -50,7 +51,7 @@ def git_commit() -> str:
             cwd=Path(__file__).resolve().parent,
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain"],
+            ["git", "status", "--porcelain", "--", ":/", ":(top,exclude)benchmarks/results"],
             capture_output=True,
             text=True,
             timeout=10,
