@@ -1,5 +1,5 @@
-"""`fastrl` command line: `fastrl train` (the minimal trainer) and `fastrl bench` (pointer to the
-benchmark scripts).
+"""`fastrl` command line: `fastrl train` (the minimal trainer) and `fastrl bench` (fused vs eager
+on your shapes, through benchmarks/bench_policy_loss.py).
 
 Every TrainConfig field is a `fastrl train` flag (`batch_size` -> `--batch-size`); its help text
 is the field's docstring in fastrl/config.py, so the two never drift apart.
@@ -13,8 +13,10 @@ import dataclasses
 import inspect
 import json
 import os
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from . import config as config_module
 from .config import TrainConfig
@@ -101,12 +103,40 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add_train_args(train)
-    sub.add_parser(
+    bench = sub.add_parser(
         "bench",
-        help="how to run the benchmarks",
-        description="Benchmarks live in the repository's benchmarks/ folder.",
+        help="fused vs eager vs torch.compile on your shapes (benchmarks/bench_policy_loss.py)",
+        description=(
+            "Time forward + backward of the policy loss, fused against the eager reference and "
+            "torch.compile(reference) (and Liger-Kernel on CUDA), and measure peak memory, on "
+            "the shapes you give, e.g. `fastrl bench --B 8 --T 512 --V 151936 --dtype bf16`. "
+            "All arguments go to benchmarks/bench_policy_loss.py of the source checkout (see "
+            "`fastrl bench --help-script` for its options); results (JSON, CSV, PNG) land in "
+            "./fastrl-bench/ unless --out says otherwise."
+        ),
+    )
+    bench.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="options of benchmarks/bench_policy_loss.py (--device, --B, --T, --V, --dtype, ...)",
     )
     return parser
+
+
+def run_bench(script_args: list[str]) -> int:
+    """Run benchmarks/bench_policy_loss.py (source checkout) with `script_args`."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_policy_loss.py"
+    if not script.is_file():
+        print(
+            "fastrl bench runs benchmarks/bench_policy_loss.py from a source checkout "
+            "(pip install -e .); this install has no benchmarks/ folder.",
+            file=sys.stderr,
+        )
+        return 2
+    args = ["--help" if a == "--help-script" else a for a in script_args]
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", "fastrl-bench"]  # not the committed benchmarks/results/
+    return subprocess.call([sys.executable, str(script), *args])
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -143,18 +173,16 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and not {"-h", "--help"} & set(argv[1:]):
+        return run_bench(argv[1:])  # its options belong to the benchmark script
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()
         return 0
     if ns.command == "bench":
-        print(
-            "Benchmarks are scripts in the repository's benchmarks/ folder, e.g.\n"
-            "  python benchmarks/<script>.py --help\n"
-            "Results (JSON, CSV, PNG) land in benchmarks/results/."
-        )
-        return 0
+        return run_bench(ns.script_args)
     try:
         cfg = config_from_args(ns)
         from .trainer import Trainer
