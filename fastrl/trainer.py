@@ -529,16 +529,15 @@ class Trainer:
                 vloss = vclip = torch.zeros((), device=self.device)
                 if self.critic is not None:
                     values = self.train_critic(r, idx)
-                    v, vclip = value_loss(
+                    vloss, vclip = value_loss(
                         values,
                         batch.old_values[idx],
                         batch.returns[idx],
                         mask,
                         clip=self.cfg.value_clip,
                         agg="token-mean",
+                        num_tokens=num_tokens,  # the global count, as for the policy loss
                     )
-                    # value_loss is a local token-mean: rescale to the global token count
-                    vloss = v * mask.sum() / num_tokens.clamp(min=1)
                     loss = loss + self.cfg.vf_coef * vloss
             (loss * self.world).backward()
         n_tok = mask.sum().double()

@@ -15,22 +15,8 @@ import math
 import torch
 from torch import Tensor
 
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-def _aggregate(loss_mat: Tensor, mask: Tensor, agg: str, max_len: int | None) -> Tensor:
-    """One scalar from per-token losses (B, T) and mask (B, T), SPEC 5 (local counts)."""
-    B, T = loss_mat.shape
-    total = (loss_mat * mask).sum()
-    if agg == "token-mean":
-        count = mask.sum()
-        return total / torch.where(count > 0, count, 1.0)  # an empty batch gives 0, not NaN
-    if agg == "seq-mean-token-mean":
-        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_seq.sum() / B
-    if agg == "seq-mean-token-sum":
-        return total / B
-    return total / (B * (T if max_len is None else max_len))  # seq-mean-token-sum-norm
+from .config import AGGS
+from .reference import aggregate, masked_mean
 
 
 def value_loss(
@@ -41,13 +27,17 @@ def value_loss(
     clip: float | None = 0.2,
     agg: str = "token-mean",
     max_len: int | None = None,
+    num_tokens: Tensor | float | None = None,
+    num_seqs: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped value loss (SPEC 8). Returns (loss, vf_clipfrac), both 0-dim fp32.
 
     values (B, T) or (N,), differentiable; old_values, returns like values (detached inputs);
     mask like values, bool or float (None = all count). `clip` = ε_v (None = no clipping).
     `agg` is one of the four SPEC 5 aggregations; the `seq-mean-*` ones need (B, T) inputs.
-    `max_len` is the constant of seq-mean-token-sum-norm (default T)."""
+    `max_len` is the constant of seq-mean-token-sum-norm (default T); `num_tokens` / `num_seqs`
+    are the global counts of data-parallel ranks and accumulation steps, as in `policy_loss`
+    (default: this batch's)."""
     if (
         not isinstance(values, Tensor)
         or not values.is_floating_point()
@@ -112,11 +102,9 @@ def value_loss(
         v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
     loss1 = (v - ret).square()
     loss2 = (v_clip - ret).square()
-    loss = 0.5 * _aggregate(torch.maximum(loss1, loss2), m, agg, max_len)
+    loss = 0.5 * aggregate(torch.maximum(loss1, loss2), m, agg, num_tokens, num_seqs, max_len)
     with torch.no_grad():
-        count = m.sum()
-        clipped = ((loss2 > loss1).float() * m).sum()
-        vf_clipfrac = torch.where(count > 0, clipped / count.clamp(min=1e-20), 0.0)
+        vf_clipfrac = masked_mean((loss2 > loss1).float(), m)
     return loss, vf_clipfrac
 
 

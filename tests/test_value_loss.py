@@ -93,3 +93,12 @@ def test_value_loss_flat_needs_token_mean():
     values, old_values, returns, _ = _inputs()
     with pytest.raises(ValueError, match="agg"):
         value_loss(values.reshape(-1), old_values.reshape(-1), returns.reshape(-1), agg=AGGS[1])
+
+
+def test_global_token_count():
+    # a global count twice the local one halves the token-mean (data-parallel normaliser)
+    v, v_old, ret = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    local, _ = value_loss(v, v_old, ret, mask)
+    scaled, _ = value_loss(v, v_old, ret, mask, num_tokens=torch.tensor(10.0))
+    torch.testing.assert_close(scaled, local / 2)
