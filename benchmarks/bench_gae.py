@@ -12,8 +12,8 @@ over the counted tokens on both sides. Methods:
                 NaN check, so no host sync)
 Reported: median and q20/q80 time (ms), speedup of the median over the loop, peak memory of one
 call above the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
-benchmarks/_common.py; CUDA: max_memory_allocated). On CPU the threads are pinned (--threads,
-default 1) because the machine is shared; the loop's (B,)-sized ops are single-threaded anyway.
+benchmarks/_common.py; CUDA: max_memory_allocated). On CPU both methods use --threads torch
+threads (default: all cores; pass 1 when the machine is shared with other jobs).
 Results: benchmarks/results/bench_gae_<device>.{json,csv,png}.
 """
 
@@ -97,7 +97,12 @@ def main() -> None:
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--rep", type=int, default=None, help="timed calls (CPU) / ms (CUDA)")
     p.add_argument("--loop-rep", type=int, default=3, help="timed calls of the slow loop (CPU)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="torch CPU threads for both methods (default: all cores; 1 on a shared machine)",
+    )
     p.add_argument("--skip-loop", action="store_true")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
