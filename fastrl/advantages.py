@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 from torch import Tensor
+
+from .ops import backend_for
 
 WHITEN_EPS = 1e-8  # SPEC 7
 _SCALES = ("group", "batch", "none")
@@ -41,14 +42,6 @@ def _float_tensor(name: str, x, expected: str) -> Tensor:
 def _check_finite(name: str, x: Tensor) -> None:
     if torch.isnan(x).any():
         raise ValueError(f"{name} (shape {tuple(x.shape)}) contains NaN")
-
-
-def _use_triton(*tensors: Tensor) -> bool:
-    if os.environ.get("FASTRL_BACKEND", "").lower() == "triton":
-        return True
-    if os.environ.get("FASTRL_BACKEND", "").lower() == "torch":
-        return False
-    return all(t.is_cuda for t in tensors)
 
 
 def _as_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> Tensor:
@@ -256,7 +249,7 @@ def gae(
     if rewards.numel() == 0:
         adv = torch.zeros(rewards.shape, dtype=torch.float32, device=rewards.device)
         return adv, adv + values.float()
-    if _use_triton(rewards, values, mask):
+    if backend_for(rewards.device) == "triton":
         from .kernels.gae import gae_scan
 
         adv = gae_scan(rewards, values, mask.float(), gamma, lam)

@@ -17,23 +17,15 @@ the two backends draw different noise.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
+from .ops import backend_for
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
-
-
-def _use_triton(logits: Tensor) -> bool:
-    backend = os.environ.get("FASTRL_BACKEND", "").lower()
-    if backend == "triton":
-        return True
-    if backend == "torch":
-        return False
-    return logits.is_cuda
 
 
 def _validate(logits, temperature, top_k, top_p, generator) -> None:
@@ -179,7 +171,7 @@ def sample(
         (top_k is not None and top_k < logits.shape[1]) or (top_p is not None and top_p < 1)
     )
     temperature = 1.0 if greedy else float(temperature)
-    if not _use_triton(logits):
+    if backend_for(logits.device) != "triton":
         if not truncate:
             top_k = top_p = None
         return _sample_torch(logits, temperature, greedy, top_k, top_p, generator)
