@@ -24,6 +24,30 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# (device, backend) pairs every kernel test runs on: the chunked torch path and the Triton
+# kernels in the interpreter on CPU; both on CUDA with `-m gpu`.
+ENGINES = [
+    pytest.param(("cpu", "torch"), id="cpu-torch"),
+    pytest.param(
+        ("cpu", "triton"),
+        id="cpu-triton",
+        marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"),
+    ),
+    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, monkeypatch):
+    """(device, backend), with FASTRL_BACKEND set for the test."""
+    device, backend = request.param
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    return device, backend
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -6,8 +6,6 @@ and, with `-m gpu`, on CUDA.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,18 +13,6 @@ import fastrl
 from fastrl import ops
 from fastrl import reference as R
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-ENGINES = [
-    pytest.param(("cpu", "torch"), id="cpu-torch"),
-    pytest.param(
-        ("cpu", "triton"),
-        id="cpu-triton",
-        marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"),
-    ),
-    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-]
 # dtype -> (rtol, atol) of logp / entropy (both paths upcast to fp32 like the reference) and of
 # the gradient relative to its largest entry (stored in the logits' dtype).
 TOL = {
@@ -36,11 +22,9 @@ TOL = {
 }
 
 
-@pytest.fixture(params=ENGINES)
-def device(request, monkeypatch):
-    device, backend = request.param
-    monkeypatch.setenv("FASTRL_BACKEND", backend)
-    return device
+@pytest.fixture
+def device(engine):
+    return engine[0]
 
 
 def _check(logits, tokens, temperature=1.0, view=None):

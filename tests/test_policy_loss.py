@@ -30,25 +30,6 @@ TOL = {
     torch.float16: dict(fwd=(1e-4, 1e-4), grad=(2e-3, 1e-3)),
 }
 
-ENGINES = [
-    pytest.param(("cpu", "torch"), id="cpu-torch"),
-    pytest.param(
-        ("cpu", "triton"),
-        id="cpu-triton",
-        marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"),
-    ),
-    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request, monkeypatch):
-    """(device, backend), with FASTRL_BACKEND set for the test."""
-    device, backend = request.param
-    monkeypatch.setenv("FASTRL_BACKEND", backend)
-    return device, backend
-
 
 def make_batch(
     B, T, V, dtype=torch.float32, device="cpu", seed=0, mask_p=0.25, extra_t=0, rollout=False
