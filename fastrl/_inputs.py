@@ -28,6 +28,37 @@ def shape_error(name: str, t: Tensor, expected: str) -> ValueError:
     )
 
 
+def describe(x) -> str:
+    """How an argument looks, for error messages: shape / dtype / device, or its type."""
+    if isinstance(x, Tensor):
+        return f"shape {tuple(x.shape)}, dtype {x.dtype} on {x.device}"
+    return type(x).__name__
+
+
+def check_float(name: str, x, expected: str, shape: tuple | None = None, device=None) -> Tensor:
+    """`x` must be a float tensor (of `shape` and on `device` when given); else a ValueError
+    naming `name`, what it is and what was `expected`."""
+    ok = isinstance(x, Tensor) and x.is_floating_point()
+    ok = ok and (shape is None or tuple(x.shape) == tuple(shape))
+    ok = ok and (device is None or x.device == torch.device(device))
+    if not ok:
+        raise ValueError(f"{name} must be a float tensor of {expected}, got {describe(x)}")
+    return x
+
+
+def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> Tensor:
+    """A bool or float mask of `shape` on `device` (validated); fp32 when `as_float`."""
+    ok = isinstance(mask, Tensor) and tuple(mask.shape) == tuple(shape)
+    ok = ok and mask.device == torch.device(device)
+    ok = ok and (mask.dtype == torch.bool or mask.is_floating_point())
+    if not ok:
+        raise ValueError(
+            f"{name} must be a bool or float tensor of shape {tuple(shape)} on {device}, "
+            f"got {describe(mask)}"
+        )
+    return mask.float() if as_float else mask
+
+
 def check_temperature(temperature: float) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")

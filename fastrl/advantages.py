@@ -20,6 +20,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from ._inputs import check_float, check_mask
 from .ops import backend_for
 
 WHITEN_EPS = 1e-8  # SPEC 7
@@ -28,34 +29,9 @@ _ESTIMATORS = ("grpo", "rloo", "reinforce++")
 
 
 # --------------------------------------------------------------------------- validation
-def _float_tensor(name: str, x, expected: str) -> Tensor:
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        got = (
-            f"shape {tuple(x.shape)} and dtype {x.dtype}"
-            if isinstance(x, Tensor)
-            else type(x).__name__
-        )
-        raise ValueError(f"{name} must be a float tensor of {expected}, got {got}")
-    return x
-
-
 def _check_finite(name: str, x: Tensor) -> None:
     if torch.isnan(x).any():
         raise ValueError(f"{name} (shape {tuple(x.shape)}) contains NaN")
-
-
-def _as_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> Tensor:
-    """A bool/float mask of `shape`, validated; as fp32 when `as_float`."""
-    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
-        got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(
-            f"{name} must be a bool or float tensor of shape {tuple(shape)}, got {got}"
-        )
-    if mask.device != device or not (mask.dtype == torch.bool or mask.is_floating_point()):
-        raise ValueError(
-            f"{name} has dtype {mask.dtype} on {mask.device}; expected bool or float on {device}"
-        )
-    return mask.float() if as_float else mask
 
 
 # --------------------------------------------------------------------------- whitening
@@ -65,8 +41,8 @@ def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True) -> Te
     x any shape, mask like x (bool or float; None = all count). Every entry is transformed (the
     statistics come from the counted ones). No host sync: a count of 0 or 1 is handled on device
     (mean 0 / no Bessel correction), never NaN. Returns fp32 like x."""
-    x = _float_tensor("x", x, "any shape").float()
-    mask = torch.ones_like(x) if mask is None else _as_mask("mask", mask, x.shape, x.device)
+    x = check_float("x", x, "any shape").float()
+    mask = torch.ones_like(x) if mask is None else check_mask("mask", mask, x.shape, x.device)
     count = mask.sum()
     safe = torch.where(count > 0, count, 1.0)
     mean = (x * mask).sum() / safe
@@ -228,8 +204,8 @@ def gae(
     `check=True` raises on NaN rewards / values (a device sync on CUDA). Advantages and returns
     are constants to the losses that use them: the inputs are detached (no gradient flows)."""
     expected = "shape (B, T)"
-    _float_tensor("rewards", rewards, expected)
-    _float_tensor("values", values, expected)
+    check_float("rewards", rewards, expected)
+    check_float("values", values, expected)
     if rewards.dim() != 2:
         raise ValueError(f"rewards must have shape (B, T), got {tuple(rewards.shape)}")
     if tuple(values.shape) != tuple(rewards.shape) or values.device != rewards.device:
@@ -238,7 +214,7 @@ def gae(
             f"{tuple(rewards.shape)} (like rewards) on {rewards.device}"
         )
     rewards, values = rewards.detach(), values.detach()
-    mask = _as_mask("mask", mask, rewards.shape, rewards.device, as_float=False)
+    mask = check_mask("mask", mask, rewards.shape, rewards.device, as_float=False)
     for name, val in (("gamma", gamma), ("lam", lam)):
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 <= val <= 1:
             raise ValueError(f"{name} must be a float in [0, 1], got {val!r}")
@@ -330,7 +306,7 @@ def group_advantages(
     for grpo). reinforce++: R - μ_g, whitened over the batch's tokens of `mask` (B, T) when given
     -> (B, T), else over the B responses -> (B,); `scale` must be None. Groups of one and groups
     whose rewards are all equal give exactly 0. Returns fp32."""
-    _float_tensor("rewards", rewards, "shape (B,)")
+    check_float("rewards", rewards, "shape (B,)")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
     if estimator not in _ESTIMATORS:
@@ -370,7 +346,7 @@ def group_advantages(
         if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != B:
             got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"mask must be a token mask of shape ({B}, T), got {got}")
-        m = _as_mask("mask", mask, tuple(mask.shape), r.device)
+        m = check_mask("mask", mask, tuple(mask.shape), r.device)
         return whiten(out[:, None].expand(m.shape), m)
     if scale == "none":
         return centered.float()
@@ -402,7 +378,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
 
 def dynamic_sampling_filter(rewards: Tensor, group_size: int) -> Tensor:
     """Indices (K,) int64 of the groups whose rewards are not all equal (SPEC 9). rewards (B,)."""
-    _float_tensor("rewards", rewards, "shape (B,)")
+    check_float("rewards", rewards, "shape (B,)")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
     _check_finite("rewards", rewards)

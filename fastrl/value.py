@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor
 
+from ._inputs import check_float, check_mask, describe
 from .config import AGGS
 from .reference import aggregate, masked_mean
 
@@ -38,46 +39,16 @@ def value_loss(
     `max_len` is the constant of seq-mean-token-sum-norm (default T); `num_tokens` / `num_seqs`
     are the global counts of data-parallel ranks and accumulation steps, as in `policy_loss`
     (default: this batch's)."""
-    if (
-        not isinstance(values, Tensor)
-        or not values.is_floating_point()
-        or values.dim() not in (1, 2)
-    ):
-        got = (
-            f"shape {tuple(values.shape)} and dtype {values.dtype}"
-            if isinstance(values, Tensor)
-            else type(values).__name__
+    check_float("values", values, "shape (B, T) or (N,)")
+    if values.dim() not in (1, 2):
+        raise ValueError(
+            f"values must be a float tensor of shape (B, T) or (N,), got {describe(values)}"
         )
-        raise ValueError(f"values must be a float tensor of shape (B, T) or (N,), got {got}")
     shape = tuple(values.shape)
     for name, x in (("old_values", old_values), ("returns", returns)):
-        if not isinstance(x, Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
-            got = (
-                f"shape {tuple(x.shape)} and dtype {x.dtype}"
-                if isinstance(x, Tensor)
-                else type(x).__name__
-            )
-            raise ValueError(
-                f"{name} must be a float tensor of shape {shape} (like values), got {got}"
-            )
-        if x.device != values.device:
-            raise ValueError(f"{name} is on {x.device}; expected {values.device} (like values)")
+        check_float(name, x, f"shape {shape} (like values)", shape, values.device)
     if mask is not None:
-        if (
-            not isinstance(mask, Tensor)
-            or tuple(mask.shape) != shape
-            or not (mask.dtype == torch.bool or mask.is_floating_point())
-            or mask.device != values.device
-        ):
-            got = (
-                f"shape {tuple(mask.shape)}, dtype {mask.dtype} on {mask.device}"
-                if isinstance(mask, Tensor)
-                else type(mask).__name__
-            )
-            raise ValueError(
-                f"mask must be a bool or float tensor of shape {shape} on {values.device}, "
-                f"got {got}"
-            )
+        check_mask("mask", mask, shape, values.device, as_float=False)
     if clip is not None and (
         isinstance(clip, bool)
         or not isinstance(clip, (int, float))
