@@ -23,7 +23,7 @@ from torch import Tensor
 from . import ops
 from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
 from .config import LossConfig
-from .reference import PolicyLossOutput, policy_terms
+from .reference import PolicyLossOutput, policy_output, policy_terms
 
 try:  # SPEC 8 lives in fastrl/value.py once it exists
     from .value import value_loss
@@ -110,16 +110,10 @@ def policy_loss(
         check_range=check_range,
     )
     logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.config.temperature, inplace=inplace)
-    loss, kl, metrics = policy_terms(logp, entropy, x)
+    out = policy_output(logp, entropy, x)
     if check_finite:
-        _check_finite(loss, logp)
-    return PolicyLossOutput(
-        loss=loss,
-        logp=x.unflatten(logp.detach()),
-        entropy=x.unflatten(entropy.detach()),
-        kl=x.unflatten(kl),
-        metrics=metrics,
-    )
+        _check_finite(out.loss, logp)
+    return out
 
 
 def _check_finite(loss: Tensor, logp: Tensor) -> None:

@@ -252,6 +252,12 @@ def policy_loss(
         check_range=True,
     )
     logp, entropy = token_logprobs(x.logits, x.tokens, x.config.temperature)  # (B, T) each
+    return policy_output(logp, entropy, x)
+
+
+def policy_output(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> PolicyLossOutput:
+    """`policy_terms`, packed as the PolicyLossOutput both policy losses return (per-token
+    tensors back in the caller's layout)."""
     loss, kl, metrics = policy_terms(logp, entropy, x)
     return PolicyLossOutput(
         loss=loss,

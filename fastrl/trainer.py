@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import os
 import random
@@ -171,7 +172,13 @@ class Trainer:
             self._owns_pg = True
 
     def close(self):
-        """Tear down the process group this trainer created (torchrun runs)."""
+        """Tear down the process group this trainer created (torchrun runs).
+
+        The DDP wrappers go first: a DDP reducer that outlives its process group can abort the
+        process at exit ("terminate called without an active exception")."""
+        if getattr(self, "train_policy", None) is not self.policy:
+            self.train_policy, self.train_critic = self.policy, self.critic
+            gc.collect()
         if self._owns_pg and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
