@@ -103,3 +103,63 @@ def test_vllm_importance_sampling(tmp_path):
 def test_what_spec_cannot_express_raises(fields, option):
     with pytest.raises(ValueError, match=option):
         loss_config_from_trl(SimpleNamespace(**fields))
+
+
+# ----------------------------------------------------------------------------------- verl
+def test_verl_defaults_are_vanilla_dual_clip_token_mean():
+    from fastrl.integrations.verl import loss_config_from_verl
+
+    cfg = loss_config_from_verl({"clip_ratio": 0.2, "clip_ratio_c": 3.0, "entropy_coeff": 0})
+    assert (cfg.policy, cfg.clip_low, cfg.clip_high, cfg.clip_dual) == ("ppo", 0.2, 0.2, 3.0)
+    assert (cfg.agg, cfg.kl_coef, cfg.entropy_coef) == ("token-mean", 0.0, 0.0)
+
+
+def test_verl_grpo_style_actor():
+    from fastrl.integrations.verl import loss_config_from_verl
+
+    actor = {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "loss_scale_factor": 512,
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.001,
+        "kl_loss_type": "k3",
+        "entropy_coeff": 1e-3,
+    }
+    cfg = loss_config_from_verl(actor, temperature=0.6)
+    assert (cfg.clip_high, cfg.agg, cfg.max_len) == (0.28, "seq-mean-token-sum-norm", 512)
+    # verl's "k3" is its clamped estimator: SPEC's low_var_kl, not TRL's k3
+    assert (cfg.kl_coef, cfg.kl_estimator) == (0.001, "low_var_kl")
+    assert (cfg.entropy_coef, cfg.temperature) == (1e-3, 0.6)
+
+
+@pytest.mark.parametrize(
+    "loss_mode, policy, level, dual",
+    [
+        ("vanilla", "ppo", "token", 3.0),
+        ("gspo", "ppo", "sequence", None),
+        ("gpg", "reinforce", "token", None),
+    ],
+)
+def test_verl_loss_modes(loss_mode, policy, level, dual):
+    from fastrl.integrations.verl import loss_config_from_verl
+
+    cfg = loss_config_from_verl({"policy_loss": {"loss_mode": loss_mode}})
+    assert (cfg.policy, cfg.ratio_level, cfg.clip_dual) == (policy, level, dual)
+
+
+@pytest.mark.parametrize(
+    "actor, option",
+    [
+        ({"policy_loss": {"loss_mode": "clip_cov"}}, "loss_mode"),
+        ({"use_kl_loss": True, "kl_loss_type": "full"}, "kl_loss_type"),
+        ({"use_kl_loss": True, "kl_loss_type": "k3+"}, "kl_loss_type"),
+    ],
+)
+def test_verl_what_spec_cannot_express_raises(actor, option):
+    from fastrl.integrations.verl import loss_config_from_verl
+
+    with pytest.raises(ValueError, match=option):
+        loss_config_from_verl(actor)
