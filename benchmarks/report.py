@@ -50,6 +50,27 @@ def _policy_loss(data: dict) -> list[str]:
     return lines
 
 
+def _fused_linear(data: dict) -> list[str]:
+    meta, rows = data["meta"], data["rows"]
+    shape = meta["shape"]
+    eager = next((r for r in rows if r["method"] == "linear+eager"), None)
+    lines = [
+        f"**Fused linear policy loss, forward + backward** (GRPO with token-mean; N = "
+        f"{shape['N']}, H = {shape['H']}, V = {shape['V']}, {shape['dtype']}); {_machine(meta)}",
+        "",
+        "| method | median ms (q20 - q80) | TFLOP/s (6NHV) | peak MB | memory vs eager |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rel = r["peak_MB"] / eager["peak_MB"] if eager and eager["peak_MB"] else None
+        lines.append(
+            f"| {r['method']} | {_fmt(r['total_ms'])} ({_fmt(r['total_ms_q20'])} - "
+            f"{_fmt(r['total_ms_q80'])}) | {_fmt(r['TFLOPs'], 3)} | {_fmt(r['peak_MB'], 0)} | "
+            f"{_fmt(rel, 2)} |"
+        )
+    return lines
+
+
 def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     meta, rows = data["meta"], data["rows"]
     lines = [
@@ -101,6 +122,8 @@ def tables(block: str) -> str:
         name = path.stem
         if name.startswith("bench_policy_loss"):
             lines = _policy_loss(data)
+        elif name.startswith("bench_fused_linear"):
+            lines = _fused_linear(data)
         elif name.startswith("bench_gae"):
             lines = _generic(data, "GAE vs the per-step loop", "speedup_vs_loop")
         elif name.startswith("bench_sample"):
