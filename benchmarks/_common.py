@@ -171,6 +171,16 @@ def cpu_malloc_env() -> dict:
     return dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
 
 
+def memory_in_child(script: str | Path, argv: list[str]) -> dict:
+    """Run `script argv --memory-only` in a child process with `cpu_malloc_env()` and return the
+    JSON object its last stdout line holds ({method: peak_memory(...)} by convention)."""
+    cmd = [sys.executable, str(script), *argv, "--memory-only"]
+    res = subprocess.run(cmd, env=cpu_malloc_env(), capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory child failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def ensure_cpu_malloc_env() -> None:
     """Re-exec this process with `cpu_malloc_env()` (Linux) unless MALLOC_MMAP_THRESHOLD_ is set."""
     if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:

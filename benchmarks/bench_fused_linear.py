@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS_DIR,
-    cpu_malloc_env,
     device_info,
+    memory_in_child,
     peak_memory,
     plot_bars,
     time_fn,
@@ -129,11 +128,7 @@ def main(argv=None):
         return mems
     mems = {}
     if not cuda:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *raw_argv, "--memory-only"]
-        res = subprocess.run(cmd, env=cpu_malloc_env(), capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(res.stderr[-3000:])
-        mems = json.loads(res.stdout.strip().splitlines()[-1])
+        mems = memory_in_child(Path(__file__).resolve(), raw_argv)
     rows, mem_method = [], ""
     for name, fn in methods(rest).items():
         row, mem_method = run(name, fn, hidden, weight, args, device, mems.get(name))

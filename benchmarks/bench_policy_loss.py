@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS_DIR,
-    cpu_malloc_env,
     device_info,
+    memory_in_child,
     peak_memory,
     plot_bars,
     time_fn,
@@ -137,16 +136,6 @@ def measure_memory(forward, base, device):
     return peak_memory(fwd_bwd, device)
 
 
-def cpu_memory_in_child(argv) -> dict:
-    """Run this script with --memory-only in a child process whose malloc returns freed tensors
-    to the OS (see benchmarks/_common.py); returns {method: peak_memory dict}."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--memory-only"]
-    res = subprocess.run(cmd, env=cpu_malloc_env(), capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"memory child failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def bench_method(name, forward, base, args, device, mem):
     x = base.detach().clone().requires_grad_()
 
@@ -232,7 +221,7 @@ def main(argv=None):
     mems = {}
     if not cuda:
         print("measuring peak memory in a child process ...", file=sys.stderr, flush=True)
-        mems = cpu_memory_in_child(raw_argv)
+        mems = memory_in_child(Path(__file__).resolve(), raw_argv)
     rows, mem_method = [], ""
     for name, (forward, base) in methods.items():
         print(f"[{name}] running ...", file=sys.stderr, flush=True)
