@@ -473,7 +473,8 @@ class Trainer:
         averaged over ranks (identical on every rank)."""
         cfg = self.cfg
         N = batch.rollout.completion_ids.shape[0]
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, tok, ent, kl, clip, akl, vloss, vclip
+        # loss, tok, ent, kl, clip, akl, vloss, vclip: summed on the device, read once per update
+        sums = torch.zeros(8, dtype=torch.float64, device=self.device)
         grad_norms = []
         for _ in range(cfg.epochs):
             perm = torch.randperm(N, generator=self.shuffle_gen)
@@ -490,7 +491,7 @@ class Trainer:
                     sync = i == len(micros) - 1
                     sums += self._micro_step(batch, mi, num_tokens, num_seqs, sync)
                 grad_norms.append(self._clip_and_step())
-        sums = _all_reduce(sums.to(self.device)).cpu()
+        sums = _all_reduce(sums).cpu()
         n_opt = cfg.epochs * cfg.minibatches
         tok = max(sums[1].item(), 1.0)
         out = {
@@ -561,7 +562,7 @@ class Trainer:
                 vloss.detach().double(),
                 vclip.double() * n_tok,
             ]
-        ).cpu()
+        )
 
     @contextlib.contextmanager
     def _no_sync_all(self):
