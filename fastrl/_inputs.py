@@ -47,15 +47,31 @@ def check_float(name: str, x, expected: str, shape: tuple | None = None, device=
 
 
 def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> Tensor:
-    """A bool or float mask of `shape` on `device` (validated); fp32 when `as_float`."""
+    """A mask of `shape` on `device`: bool, integer 0/1 (e.g. TRL's int64 completion_mask) or
+    float >= 0 (1 = counts). fp32 when `as_float`. The values (no NaN, no negative weight, integer
+    masks 0/1) are checked on CPU tensors outside torch.compile only: on an accelerator that
+    would be a host sync, and in a compiled graph a graph break."""
     ok = isinstance(mask, Tensor) and tuple(mask.shape) == tuple(shape)
     ok = ok and mask.device == torch.device(device)
-    ok = ok and (mask.dtype == torch.bool or mask.is_floating_point())
+    ok = ok and mask.dtype != torch.complex64 and mask.dtype != torch.complex128
     if not ok:
         raise ValueError(
-            f"{name} must be a bool or float tensor of shape {tuple(shape)} on {device}, "
-            f"got {describe(mask)}"
+            f"{name} must be a bool, integer (0/1) or float tensor of shape {tuple(shape)} on "
+            f"{device}, got {describe(mask)}"
         )
+    check = mask.device.type == "cpu" and not torch.compiler.is_compiling()
+    if check and mask.dtype != torch.bool and mask.numel() > 0:
+        if mask.is_floating_point():
+            bad = bool((torch.isnan(mask) | (mask < 0)).any())
+            what = "values >= 0 (no NaN, no negative weight)"
+        else:
+            bad = bool(((mask != 0) & (mask != 1)).any())
+            what = "integer values 0 or 1"
+        if bad:
+            raise ValueError(
+                f"{name} must hold {what}, got values in [{mask.min().item()}, "
+                f"{mask.max().item()}] ({describe(mask)})"
+            )
     return mask.float() if as_float else mask
 
 
@@ -118,7 +134,9 @@ def _per_token(name: str, x: Tensor | None, B: int, T: int, flat: bool, device) 
         x = x.unsqueeze(0)
     elif tuple(x.shape) != (B, T):
         raise shape_error(name, x, expected)
-    return x.float()
+    # a constant of the loss (SPEC): a tensor that still requires grad (e.g. old_logp computed
+    # outside torch.no_grad) must not let the loss's gradient flow into it
+    return x.detach().float()
 
 
 @dataclass
@@ -161,8 +179,12 @@ def prepare_policy_inputs(
     for key in ("num_tokens", "num_seqs"):
         if isinstance(overrides.get(key), Tensor):
             counts[key] = overrides.pop(key)
-            if counts[key].numel() != 1:
-                raise shape_error(key, counts[key], "a number or a one-element tensor")
+            c = counts[key]
+            if c.numel() != 1 or c.is_complex() or c.dtype == torch.bool:
+                raise shape_error(key, c, "a number or a one-element real tensor")
+            if c.device.type == "meta" and getattr(logits, "device", c.device).type != "meta":
+                raise shape_error(key, c, "a tensor on the logits' device or the CPU, not meta")
+            counts[key] = c.detach()
     cfg = resolve_config(config, overrides)
     num_tokens = counts.get("num_tokens", cfg.num_tokens)
     num_seqs = counts.get("num_seqs", cfg.num_seqs)
@@ -192,14 +214,15 @@ def prepare_policy_inputs(
     if mask is None:
         mask = torch.ones(B, T, device=dev, dtype=torch.float32)
     else:
-        if not isinstance(mask, Tensor):
-            raise ValueError(f"mask must be a bool or float tensor, got {type(mask).__name__}")
-        expected = f"shape {(T,) if flat else (B, T)} (like tokens), bool or float, device {dev}"
-        if mask.device != dev or not (mask.dtype == torch.bool or mask.is_floating_point()):
-            raise shape_error("mask", mask, expected)
-        if tuple(mask.shape) != ((T,) if flat else (B, T)):
-            raise shape_error("mask", mask, expected)
-        mask = mask.reshape(B, T).float()
+        mask = check_mask("mask", mask, (T,) if flat else (B, T), dev).reshape(B, T)
+        # What the mask excludes never reaches the loss or its gradient: a NaN advantage or
+        # log-prob at a masked token is replaced by 0 there (x * 0 would still be NaN).
+        counted = mask > 0
+        advantages = torch.where(counted, advantages, 0.0)
+        old_logp, ref_logp, rollout_logp = (
+            None if t is None else torch.where(counted, t, 0.0)
+            for t in (old_logp, ref_logp, rollout_logp)
+        )
 
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs ref_logp (the reference log-probs)")
@@ -227,7 +250,7 @@ def prepare_policy_inputs(
     return PolicyInputs(
         logits,
         tokens,
-        advantages.float(),
+        advantages.detach().float(),
         old_logp,
         ref_logp,
         rollout_logp,

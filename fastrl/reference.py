@@ -41,9 +41,11 @@ class PolicyLossOutput:
 
 # --------------------------------------------------------------------------- helpers
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Σ m·x / Σ m, and 0 (not NaN) when nothing counts."""
+    """Σ m·x / Σ m, and 0 (not NaN) when nothing counts. Entries with m = 0 never reach the
+    result, not even a NaN there."""
     count = mask.sum()
-    return torch.where(count > 0, (x * mask).sum() / count.clamp(min=1e-20), 0.0)
+    total = torch.where(mask > 0, x * mask, 0.0).sum()
+    return torch.where(count > 0, total / count.clamp(min=1e-20), 0.0)
 
 
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
@@ -54,17 +56,37 @@ def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.sum() > 0, top, 0.0)
 
 
+def masked_sum(x: Tensor, mask: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """Σ m·x (over `dim`, or everything); entries with m = 0 never reach it, not even a NaN."""
+    masked = torch.where(mask > 0, x * mask, 0.0)
+    return masked.sum() if dim is None else masked.sum(dim, keepdim=keepdim)
+
+
+def _positive_count(count: Tensor | float, device) -> Tensor | float:
+    """A caller's count: a tensor becomes fp32 on `device`, NaN where it is not > 0 (a bad
+    tensor count gives a NaN loss, never a finite wrong one, without a host sync); a Python
+    number is returned as is (LossConfig has checked it)."""
+    if not isinstance(count, Tensor):
+        return count
+    count = count.to(device=device, dtype=torch.float32).reshape(())
+    return torch.where(count > 0, count, float("nan"))
+
+
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0):
     """logp_t = z'_y - lse and H_t = lse - Σ_j p_j z'_j with z' = z / τ (SPEC notation).
 
-    logits (..., V) any float dtype; tokens (...) int. Returns fp32 (logp, entropy), each (...)."""
+    logits (..., V) any float dtype; tokens (...) int. Returns fp32 (logp, entropy), each (...).
+    H is computed from max-shifted values, H = log Σ_j e_j - Σ_j e_j u_j / Σ_j e_j with
+    u = z' - max z' and e = exp(u) (the same number, without the ε·|z'|² cancellation)."""
     z = logits.float() / temperature  # (..., V) fp32 copy
     log_probs = torch.log_softmax(z, dim=-1)  # (..., V)
     logp = log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    probs = log_probs.exp()
-    # p_j z'_j -> 0 where z'_j = -inf (a masked vocabulary entry has p = 0); 0 * -inf would be NaN
-    z_finite = torch.where(z == float("-inf"), 0.0, z)
-    entropy = torch.logsumexp(z, dim=-1) - (probs * z_finite).sum(-1)
+    u = z - z.amax(-1, keepdim=True)  # (..., V), <= 0
+    e = torch.exp(u)
+    # e_j u_j -> 0 where u_j = -inf (a masked vocabulary entry has p = 0); 0 * -inf would be NaN
+    u_finite = torch.where(u == float("-inf"), 0.0, u)
+    sum_e = e.sum(-1)
+    entropy = torch.log(sum_e) - (e * u_finite).sum(-1) / sum_e
     return logp, entropy
 
 
@@ -102,35 +124,62 @@ def aggregate(
     num_seqs: Tensor | float | None = None,
     max_len: int | None = None,
 ) -> Tensor:
-    """One scalar from per-token losses L (B, T) and mask m (B, T) (SPEC 5)."""
+    """One scalar from per-token losses L (B, T) and mask m (B, T) (SPEC 5).
+
+    What the mask excludes never reaches the result (a NaN at m = 0 included). An empty batch
+    gives 0. A caller's tensor count that is not > 0 gives NaN (never a finite wrong loss)."""
     B, T = loss_mat.shape
     seq_lengths = mask.sum(-1)  # |y_i|
-    num_seqs = B if num_seqs is None else num_seqs
+    num_seqs = B if num_seqs is None else _positive_count(num_seqs, mask.device)
+    total = masked_sum(loss_mat, mask)
     if agg == "token-mean":
-        num_tokens = mask.sum() if num_tokens is None else num_tokens
-        num_tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=mask.device)
-        # an empty batch sums to 0: divide by 1 there so that neither loss nor gradient is NaN
-        return (loss_mat * mask).sum() / torch.where(num_tokens > 0, num_tokens, 1.0)
+        local_tokens = mask.sum()
+        if num_tokens is None:
+            num_tokens = local_tokens
+        num_tokens = _positive_count(num_tokens, mask.device)
+        # an empty batch sums to 0: the loss (and its gradient) is 0 there, not NaN
+        return torch.where(local_tokens > 0, total / num_tokens, 0.0)
     if agg == "seq-mean-token-mean":
-        per_seq = (loss_mat * mask).sum(-1) / seq_lengths.clamp(min=1)
+        per_seq = masked_sum(loss_mat, mask, dim=-1) / seq_lengths.clamp(min=1)
         return per_seq.sum() / num_seqs
     if agg == "seq-mean-token-sum":
-        return (loss_mat * mask).sum() / num_seqs
+        return total / num_seqs
     if agg == "seq-mean-token-sum-norm":
         max_len = T if max_len is None else max_len
-        return (loss_mat * mask).sum() / (num_seqs * max_len)
+        return total / (num_seqs * max_len)
     raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
 
 
-# --------------------------------------------------------------------------- policy loss
-def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
-    """SPEC 1-5 on per-token tensors: (loss, kl, metrics) from logp and entropy (fp32 (B, T)).
+def aggregation_weights(x: PolicyInputs) -> Tensor:
+    """c_t = d loss / d L_t (B, T): the aggregation of SPEC 5 is linear in the per-token losses,
+    so loss = Σ_t c_t L_t, with c_t known from the mask and the counts alone (autograd of
+    `aggregate` itself, so the two never disagree)."""
+    with torch.enable_grad():
+        zeros = torch.zeros_like(x.mask, requires_grad=True)
+        loss = aggregate(zeros, x.mask, x.config.agg, x.num_tokens, x.num_seqs, x.config.max_len)
+        (weights,) = torch.autograd.grad(loss, zeros)
+    return weights
 
-    Everything here is O(B*T): the (N, V) logits only enter through logp and H, so this one
-    function serves both the eager reference (logp, H from log_softmax) and the fused path (logp,
-    H from the one-pass kernel, whose backward turns g = dloss/dlogp and h = dloss/dH into the
-    logits gradient). The hand-computed tests of SPEC's tables check it independently. No host
-    sync: metrics stay tensors."""
+
+# --------------------------------------------------------------------------- policy loss
+@dataclass
+class TokenTerms:
+    """SPEC 1-4 per token, each (B, T), and the per-token total L_t of SPEC 5."""
+
+    per_token_loss: Tensor  # L_t = w_t·ℓ_t + β·kl_t - c_H·H_t (differentiable)
+    kl: Tensor  # kl_t (differentiable)
+    ratio: Tensor  # r_t (token or sequence level)
+    dual_clipped: Tensor  # 1 where the dual clip bites
+    is_weight: Tensor | None = None  # w_t after truncation / masking (rollout IS only)
+    is_weight_raw: Tensor | None = None  # w_t before it
+    is_over_cap: Tensor | None = None  # 1 where w_t > cap
+
+
+def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
+    """SPEC 1-4 and the per-token total of SPEC 5 from logp and entropy (fp32 (B, T)).
+
+    Elementwise in the tokens, except the sequence-level options (GSPO ratio, sequence IS
+    weights), which sum over each sequence's counted tokens."""
     cfg = x.config
     mask = x.mask  # (B, T) fp32
     A = x.advantages  # (B, T)
@@ -142,7 +191,9 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
     if cfg.ratio_level == "token":
         log_ratio = token_log_ratio
     else:  # GSPO: length-normalised sequence log-ratio, broadcast over the sequence
-        seq_log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / seq_lengths.clamp(min=1)
+        seq_log_ratio = masked_sum(token_log_ratio, mask, -1, keepdim=True) / seq_lengths.clamp(
+            min=1
+        )
         log_ratio = seq_log_ratio.expand_as(logp)
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped_ratio = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
@@ -169,11 +220,11 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
         raise ValueError(f"unknown policy {cfg.policy!r}")
 
     # SPEC 3: rollout correction (truncated importance sampling), detached
-    is_metrics = {}
+    terms = {}
     if cfg.rollout_is is not None:
         log_is_weight = (old_logp - x.rollout_logp).detach()
         if cfg.rollout_is == "sequence":
-            log_is_weight = (log_is_weight * mask).sum(-1, keepdim=True).expand_as(logp)
+            log_is_weight = masked_sum(log_is_weight, mask, -1, keepdim=True).expand_as(logp)
         is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         over_cap = (is_weight_raw > cfg.rollout_is_cap).float()
         if cfg.rollout_is_mode == "truncate":
@@ -181,11 +232,7 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
         else:
             is_weight = is_weight_raw * (1 - over_cap)
         pg_loss = is_weight * pg_loss
-        is_metrics = {
-            "is_weight_mean": masked_mean(is_weight, mask),
-            "is_weight_max": masked_max(is_weight_raw, mask),
-            "is_clipfrac": masked_mean(over_cap, mask),
-        }
+        terms = {"is_weight": is_weight, "is_weight_raw": is_weight_raw, "is_over_cap": over_cap}
 
     # SPEC 4: KL to the reference policy
     if x.ref_logp is not None:
@@ -195,32 +242,52 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
     else:
         kl = torch.zeros_like(logp)
 
-    # SPEC 5: per-token total, then one aggregation. A zero coefficient drops its term rather
-    # than adding 0 * x (which would turn an overflowed k3 into a NaN loss).
+    # SPEC 5: per-token total. A zero coefficient drops its term rather than adding 0 * x
+    # (which would turn an overflowed k3 into a NaN loss).
     per_token_loss = pg_loss
     if cfg.kl_coef != 0:
         per_token_loss = per_token_loss + cfg.kl_coef * kl
     if cfg.entropy_coef != 0:
         per_token_loss = per_token_loss - cfg.entropy_coef * entropy
-    loss = aggregate(per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
+    return TokenTerms(per_token_loss, kl, ratio, dual_clipped, **terms)
+
+
+def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
+    """SPEC 1-5 on per-token tensors: (loss, kl, metrics) from logp and entropy (fp32 (B, T)).
+
+    Everything here is O(B*T): the (N, V) logits only enter through logp and H, so this one
+    function serves both the eager reference (logp, H from log_softmax) and the fused path (logp,
+    H from the one-pass kernel, whose backward turns g = dloss/dlogp and h = dloss/dH into the
+    logits gradient). The hand-computed tests of SPEC's tables check it independently. No host
+    sync: metrics stay tensors."""
+    cfg = x.config
+    mask = x.mask
+    A = x.advantages
+    old_logp = logp.detach() if x.old_logp is None else x.old_logp
+    t = token_terms(logp, entropy, x)
+    loss = aggregate(t.per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
 
     with torch.no_grad():
+        ratio = t.ratio
         clipfrac_high = ((A > 0) & (ratio > 1 + cfg.clip_high)).float()
         clipfrac_low = ((A < 0) & (ratio < 1 - cfg.clip_low)).float()
         metrics = {
             "clipfrac": masked_mean(clipfrac_high + clipfrac_low, mask),
             "clipfrac_low": masked_mean(clipfrac_low, mask),
             "clipfrac_high": masked_mean(clipfrac_high, mask),
-            "dualclip_frac": masked_mean(dual_clipped, mask),
+            "dualclip_frac": masked_mean(t.dual_clipped, mask),
             "approx_kl": masked_mean(old_logp - logp, mask),
-            "kl": masked_mean(kl, mask),
+            "kl": masked_mean(t.kl, mask),
             "entropy": masked_mean(entropy, mask),
             "ratio_mean": masked_mean(ratio, mask),
             "ratio_max": masked_max(ratio, mask),
-            **is_metrics,
         }
+        if t.is_weight is not None:
+            metrics["is_weight_mean"] = masked_mean(t.is_weight, mask)
+            metrics["is_weight_max"] = masked_max(t.is_weight_raw, mask)
+            metrics["is_clipfrac"] = masked_mean(t.is_over_cap, mask)
         metrics = {k: v.detach() for k, v in metrics.items()}
-    return loss, kl.detach(), metrics
+    return loss, t.kl.detach(), metrics
 
 
 def policy_loss(

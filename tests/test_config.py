@@ -168,7 +168,8 @@ BAD_INPUTS = [
     ("old_logp", torch.ones(B, T, dtype=torch.long), "old_logp"),
     ("ref_logp", torch.randn(B, 1), "ref_logp"),
     ("mask", torch.ones(B, T + 1), "mask"),
-    ("mask", torch.ones(B, T, dtype=torch.long), "mask"),
+    ("mask", torch.full((B, T), 3, dtype=torch.long), "mask"),
+    ("mask", -torch.ones(B, T), "mask"),
 ]
 
 

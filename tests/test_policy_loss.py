@@ -306,8 +306,10 @@ def test_nan_logits_propagate_and_check_finite(engine):
     assert torch.isnan(out.loss) and torch.isnan(out.logp[0, 1]) and torch.isnan(out.entropy[0, 1])
     with pytest.raises(ValueError, match="not finite"):
         fastrl.policy_loss(batch["logits"], **rest, check_finite=True)
-    batch["mask"][0, 1] = False  # masked, still not hidden (as in the reference: NaN * 0)
-    assert torch.isnan(fastrl.policy_loss(batch["logits"], **rest).loss)
+    batch["mask"][0, 1] = False  # masked: what the mask excludes never reaches the loss
+    out = fastrl.policy_loss(batch["logits"], **rest)
+    ref = R.policy_loss(batch["logits"], **rest)
+    assert torch.isfinite(out.loss) and torch.allclose(out.loss, ref.loss, atol=1e-5)
 
 
 def test_check_finite_passes_on_good_input(engine):
@@ -339,8 +341,11 @@ def test_bad_inputs():
         (dict(logits=logits[0, 0]), r"logits must be a tensor of shape \(B, T, V\) or \(N, V\)"),
         (dict(advantages=torch.randn(B, T + 1)), r"advantages has shape \(2, 4\)"),
         (dict(old_logp=torch.randn(B, 2)), r"old_logp has shape \(2, 2\).*like tokens"),
-        (dict(mask=torch.ones(B, 2)), r"mask has shape \(2, 2\)"),
-        (dict(mask=torch.ones(B, T, dtype=torch.int64)), r"mask has shape .*bool or float"),
+        (dict(mask=torch.ones(B, 2)), r"mask must be .*shape \(2, 3\).*got shape \(2, 2\)"),
+        (dict(mask=torch.full((B, T), 2)), r"mask must hold integer values 0 or 1"),
+        (dict(mask=-torch.ones(B, T)), r"mask must hold values >= 0"),
+        (dict(mask=torch.full((B, T), float("nan"))), r"mask must hold values >= 0 \(no NaN"),
+        (dict(num_tokens=torch.ones((), device="meta")), "num_tokens .*not meta"),
         (dict(ref_logp=torch.randn(B, T, device="meta")), r"ref_logp has shape .*device cpu"),
         (dict(temperature=0.0), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
