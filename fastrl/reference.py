@@ -175,6 +175,14 @@ class TokenTerms:
     is_over_cap: Tensor | None = None  # 1 where w_t > cap
 
 
+def is_token_separable(cfg: LossConfig) -> bool:
+    """True when L_t depends on token t's own logp_t and H_t only (token-level ratio, no
+    sequence-level IS weight): then every per-token gradient is known as soon as the row's
+    logp and H are, and the fused paths compute dL/dz in the forward's pass over the row.
+    Any option that couples the tokens of a sequence must make this False."""
+    return cfg.ratio_level == "token" and cfg.rollout_is != "sequence"
+
+
 def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
     """SPEC 1-4 and the per-token total of SPEC 5 from logp and entropy (fp32 (B, T)).
 
