@@ -29,27 +29,67 @@ _ESTIMATORS = ("grpo", "rloo", "reinforce++")
 
 
 # --------------------------------------------------------------------------- validation
-def _check_finite(name: str, x: Tensor) -> None:
-    if torch.isnan(x).any():
-        raise ValueError(f"{name} (shape {tuple(x.shape)}) contains NaN")
+def _check_finite(name: str, x: Tensor, counted: Tensor | None = None) -> None:
+    """Raise if x has a NaN (at an entry where `counted` is True, when given)."""
+    if x.device.type == "meta":
+        return
+    nan = torch.isnan(x)
+    if counted is not None:
+        nan = nan & counted
+    if nan.any():
+        where = " at a counted token" if counted is not None else ""
+        raise ValueError(f"{name} (shape {tuple(x.shape)}) contains NaN{where}")
 
 
 # --------------------------------------------------------------------------- whitening
+def _sqrt_var_plus_eps(var_unit: Tensor, s: Tensor, eps: float) -> Tensor:
+    """sqrt(var + eps) for var = s²·var_unit (s >= 0 the scale of the centred values), formed
+    without s²: s·sqrt(var_unit + eps/s²) when s > 1 (no overflow for huge s), else
+    sqrt(s²·var_unit + eps) (s² can only underflow where it is negligible next to eps)."""
+    big = s > 1
+    s_big = torch.where(big, s, 1.0)
+    s_small = torch.where(big, 0.0, s)
+    return torch.where(
+        big,
+        s_big * torch.sqrt(var_unit + eps / s_big.square()),
+        torch.sqrt(s_small.square() * var_unit + eps),
+    )
+
+
 def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True) -> Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the counted entries (SPEC 7), var unbiased.
 
-    x any shape, mask like x (bool or float; None = all count). Every entry is transformed (the
-    statistics come from the counted ones). No host sync: a count of 0 or 1 is handled on device
-    (mean 0 / no Bessel correction), never NaN. Returns fp32 like x."""
-    x = check_float("x", x, "any shape").float()
-    mask = torch.ones_like(x) if mask is None else check_mask("mask", mask, x.shape, x.device)
-    count = mask.sum()
-    safe = torch.where(count > 0, count, 1.0)
-    mean = (x * mask).sum() / safe
-    var = ((x - mean).square() * mask).sum() / safe
-    var = torch.where(count > 1, var * count / (count - 1).clamp(min=1e-20), var)
-    out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
-    return out + mean if not shift_mean else out
+    x any shape and float dtype, mask like x (bool, 0/1 integer or float weights >= 0; None = all
+    count). mean = Σ m·x / Σ m and var = Σ m·(x - mean)² / (Σ m - 1) (no Bessel correction
+    when Σ m <= 1). Every entry is transformed; only the counted ones (m > 0) reach the
+    statistics, so a NaN / inf at an entry with m = 0 stays at that entry. Nothing counted
+    (Σ m = 0): the result is all zeros. `shift_mean=False` adds the mean back.
+
+    Scale-safe: computed in float64, centred first, and var + eps is formed as
+    s²·(var(c/s) + eps/s²) with s = max |x - mean| over counted entries, so neither huge inputs
+    (1e20 in fp32, 1e200 in fp64) overflow nor tiny ones lose the eps. No host sync. Returns fp32
+    (same shape as x)."""
+    x = check_float("x", x, "any shape")
+    if mask is None:
+        mask = torch.ones(x.shape, dtype=torch.float32, device=x.device)
+    else:
+        mask = check_mask("mask", mask, x.shape, x.device)
+    if x.numel() == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    counted = mask > 0
+    w = torch.where(counted, mask, 0.0).double()  # weights; NaN masks are refused on CPU
+    xd = x.double()
+    count = w.sum()
+    mean = torch.where(counted, w * xd, 0.0).sum() / torch.where(count > 0, count, 1.0)
+    centered = torch.where(counted, xd - mean, 0.0)
+    s = centered.abs().amax()  # the scale of the counted, centred values
+    scaled = centered / torch.where(s > 0, s, 1.0)  # |scaled| <= 1: its square cannot overflow
+    dof = torch.where(count > 1, count - 1, torch.where(count > 0, count, 1.0))
+    var_unit = (w * scaled.square()).sum() / dof  # var / s²
+    out = (xd - mean) / _sqrt_var_plus_eps(var_unit, s, WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(count > 0, out, 0.0).float()
 
 
 _whiten = whiten  # `gae` has an argument named `whiten`
@@ -110,11 +150,10 @@ def _gae_torch(
          A_j = Σ_{i <= J} c^i δ_{j+i} with c^J < 1e-18 (a few shifted adds);
       3. gather back: A_t = A_compact[b, #counted before t].
     The scan runs in float64 and L is chosen so that c^-L <= 1e4 (cancellation error ~1e-12 of
-    the block's |δ|). Chunks keep the temporaries small; the whitening statistics are collected
-    per chunk in float64 (Σ A, Σ A² over the compact rows, merged across chunks with Chan's
-    formula). No host sync.
-    Returns (advantages, returns) fp32 (B, T): advantages whitened over counted tokens when
-    `whiten`, returns = unwhitened A + V."""
+    the block's |δ|). Chunks keep the temporaries small. Uncounted tokens go to a shadow copy that
+    is never read, so a NaN there reaches neither A nor the whitening. No host sync.
+    Returns (advantages, returns) fp32 (B, T): advantages whitened over counted tokens (`whiten`,
+    SPEC 7) when `whiten`, returns = unwhitened A + V."""
     B, T = rewards.shape
     dev = rewards.device
     c = gamma * lam
@@ -134,9 +173,6 @@ def _gae_torch(
     J = math.ceil(math.log(1e-18) / math.log(c)) if 0 < c < 0.2 else 0
     out = torch.empty(B, T, dtype=torch.float32, device=dev)
     returns = torch.empty(B, T, dtype=torch.float32, device=dev)
-    count = torch.zeros((), dtype=torch.float64, device=dev)
-    mean = torch.zeros((), dtype=torch.float64, device=dev)
-    m2 = torch.zeros((), dtype=torch.float64, device=dev)
     for s in range(0, B, rows_per_chunk):
         e = min(B, s + rows_per_chunk)
         n = e - s
@@ -167,21 +203,8 @@ def _gae_torch(
         # 3. gather back (the zero sentinel when no counted token is left in the row)
         a = torch.take(adv.view(-1).float(), idx, out=out[s:e])
         torch.add(a, v, out=returns[s:e])
-        if whiten:
-            # this chunk's count / mean / M2 over counted tokens, from the compact rows (entry j
-            # of row b is counted token j; the rest are 0), merged into the running total
-            n_c = mc.sum(dtype=torch.float64)
-            flat = adv.view(-1)
-            mean_c = flat.sum() / n_c.clamp(min=1)
-            m2_c = (torch.dot(flat, flat) - n_c * mean_c.square()).clamp(min=0)
-            total = count + n_c
-            d = mean_c - mean
-            mean = mean + d * n_c / total.clamp(min=1)
-            m2 = m2 + m2_c + d.square() * count * n_c / total.clamp(min=1)
-            count = total
-    if whiten:  # SPEC 7: (A - mean) / sqrt(var + 1e-8), var unbiased (uncorrected when count <= 1)
-        var = torch.where(count > 1, m2 / (count - 1).clamp(min=1e-20), m2 / count.clamp(min=1))
-        out.sub_(mean.float()).mul_(torch.rsqrt(var + WHITEN_EPS).float())
+    if whiten:  # SPEC 7, over the counted tokens (scale-safe, float64 statistics)
+        out = _whiten(out, mask)
     return out, returns
 
 
@@ -201,8 +224,11 @@ def gae(
     δ = r_t + γ·next_v - V_t; a = δ + γλ·last; next_v <- m·V_t + (1-m)·next_v;
     last <- m·a + (1-m)·last; A_t = last. Returns (advantages, returns) fp32 (B, T) with
     returns = A + V (before whitening) and, when `whiten`, A whitened over counted tokens.
-    `check=True` raises on NaN rewards / values (a device sync on CUDA). Advantages and returns
-    are constants to the losses that use them: the inputs are detached (no gradient flows)."""
+    What the mask excludes never reaches a counted token's result nor the whitening: a NaN / inf
+    reward or value at a token with m = 0 only shows in `returns` at that same token (G_t = A_t
+    + V_t there). `check=True` raises on NaN rewards / values at counted tokens (a device sync on
+    CUDA). Advantages and returns are constants to the losses that use them: the inputs are
+    detached (no gradient flows)."""
     expected = "shape (B, T)"
     check_float("rewards", rewards, expected)
     check_float("values", values, expected)
@@ -220,8 +246,9 @@ def gae(
             raise ValueError(f"{name} must be a float in [0, 1], got {val!r}")
     gamma, lam = float(gamma), float(lam)
     if check:
-        _check_finite("rewards", rewards)
-        _check_finite("values", values)
+        counted = mask if mask.dtype == torch.bool else mask != 0
+        _check_finite("rewards", rewards, counted)
+        _check_finite("values", values, counted)
     if rewards.numel() == 0:
         adv = torch.zeros(rewards.shape, dtype=torch.float32, device=rewards.device)
         return adv, adv + values.float()
@@ -240,7 +267,8 @@ def gae(
 
 
 def _gae_fractional_mask(rewards, values, mask, gamma, lam):
-    """Masks with values other than 0/1 (outside SPEC's use): the plain recurrence, step by step."""
+    """Masks with values other than 0/1 (outside SPEC's use): the plain recurrence, step by step.
+    A token with m = 0 leaves next_v and last as they are (a NaN there never reaches them)."""
     r, v, m = rewards.float(), values.float(), mask.float()
     B, T = r.shape
     next_v = r.new_zeros(B)
@@ -248,8 +276,9 @@ def _gae_fractional_mask(rewards, values, mask, gamma, lam):
     out = torch.empty_like(r)
     for t in range(T - 1, -1, -1):
         a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * last
-        next_v = m[:, t] * v[:, t] + (1 - m[:, t]) * next_v
-        last = m[:, t] * a + (1 - m[:, t]) * last
+        mt = m[:, t]
+        next_v = torch.where(mt > 0, mt * v[:, t] + (1 - mt) * next_v, next_v)
+        last = torch.where(mt > 0, mt * a + (1 - mt) * last, last)
         out[:, t] = last
     return out
 
@@ -266,6 +295,11 @@ def _group_index(rewards: Tensor, group_size, group_ids) -> tuple[Tensor, int]:
             raise ValueError(f"group_ids must be an integer tensor of shape ({B},), got {got}")
         if group_ids.is_floating_point() or group_ids.is_complex():
             raise ValueError(f"group_ids must have an integer dtype, got {group_ids.dtype}")
+        if group_ids.device.type == "meta" and rewards.device.type != "meta":
+            raise ValueError(
+                f"group_ids is on device meta (a tensor without data); expected it on the rewards' "
+                f"device {rewards.device} or the CPU"
+            )
         ids = group_ids.to(rewards.device).long()
         # compact arbitrary ids to 0..G-1 with a sort (no torch.unique: no host sync)
         sorted_ids, order = torch.sort(ids, stable=True)
@@ -304,8 +338,10 @@ def group_advantages(
     or R - μ_g (`"none"`, Dr.GRPO); `scale=None` means `"group"` for grpo. rloo: n/(n-1)·(R - μ_g),
     SPEC's leave-one-out baseline (`scale=None` means `"none"`; `"group"` / `"batch"` divide as
     for grpo). reinforce++: R - μ_g, whitened over the batch's tokens of `mask` (B, T) when given
-    -> (B, T), else over the B responses -> (B,); `scale` must be None. Groups of one and groups
-    whose rewards are all equal give exactly 0. Returns fp32."""
+    -> (B, T), else over the B responses -> (B,); `scale` must be None (an all-zero `mask` gives
+    zeros, see `whiten`). Groups of one and groups whose rewards are all equal give exactly 0.
+    Computed in float64, scale-safe (σ from values divided by their group's max |R - μ_g| before
+    squaring: ±1e200 in fp64 works). Returns fp32."""
     check_float("rewards", rewards, "shape (B,)")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
@@ -329,31 +365,40 @@ def group_advantages(
     n = zeros.index_add(0, idx, torch.ones_like(r))  # (G,) group sizes
     mean = zeros.index_add(0, idx, r) / n.clamp(min=1)
     centered = r - mean[idx]  # (B,)
-    sq = zeros.index_add(0, idx, centered.square())
-    std = torch.sqrt(sq / (n - 1).clamp(min=1))[idx]  # (B,) unbiased
     lo = torch.full_like(zeros, math.inf).scatter_reduce(0, idx, r, "amin")
     hi = torch.full_like(zeros, -math.inf).scatter_reduce(0, idx, r, "amax")
     n_i = n[idx]
     flat = (lo == hi)[idx] | (n_i < 2)  # all-equal groups and groups of one: exactly 0
     centered = torch.where(flat, 0.0, centered)
-    std = torch.where(n_i < 2, 0.0, std)
+    std = _unbiased_std(centered, idx, n)[idx] if scale == "group" else None  # (B,) σ_g
     if estimator == "rloo":
         centered = centered * n_i / (n_i - 1).clamp(min=1)
-    if estimator == "reinforce++":
-        out = centered.float()
+    if estimator == "reinforce++":  # whitened in float64 (scale-safe), returned as fp32
         if mask is None:
-            return whiten(out)
+            return whiten(centered)
         if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != B:
             got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"mask must be a token mask of shape ({B}, T), got {got}")
         m = check_mask("mask", mask, tuple(mask.shape), r.device)
-        return whiten(out[:, None].expand(m.shape), m)
+        return whiten(centered[:, None].expand(m.shape), m)
     if scale == "none":
         return centered.float()
     if scale == "group":
         return (centered / (std + eps)).float()
-    batch_std = r.std() if B > 1 else r.new_zeros(())
+    batch = torch.zeros_like(idx)
+    batch_std = _unbiased_std(r - r.mean(), batch, r.new_full((1,), B))[0]  # 0 when B = 1
     return (centered / (batch_std + eps)).float()
+
+
+def _unbiased_std(centered: Tensor, idx: Tensor, n: Tensor) -> Tensor:
+    """Per-group unbiased std (G,) from centred values (B,) in groups idx (B,) of sizes n (G,)
+    (0 for groups of one). Scale-safe: each group's values are divided by their largest
+    magnitude s_g before squaring, σ_g = s_g·sqrt(Σ (c/s_g)² / (n - 1))."""
+    zeros = torch.zeros_like(n)
+    s = zeros.scatter_reduce(0, idx, centered.abs(), "amax")  # (G,)
+    scaled = centered / torch.where(s > 0, s, 1.0)[idx]
+    sq = zeros.index_add(0, idx, scaled.square())
+    return torch.where(n > 1, s * torch.sqrt(sq / (n - 1).clamp(min=1)), 0.0)
 
 
 # --------------------------------------------------------------------------- DAPO

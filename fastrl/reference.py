@@ -372,17 +372,34 @@ def value_loss(
 
 # --------------------------------------------------------------------------- advantages
 def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True) -> Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over counted entries, var unbiased (SPEC 7)."""
-    mask = torch.ones_like(x) if mask is None else mask.float()
+    """(x - mean) / sqrt(var + 1e-8) over counted entries, var unbiased (SPEC 7). Returns fp32.
+
+    Only counted entries (m > 0) reach mean and var (a NaN at m = 0 stays at its own entry);
+    every entry is transformed. Nothing counted: all zeros. Computed in float64, and var + eps
+    as s²·(var(c/s) + eps/s²) with s = max |c| over counted c = x - mean, so huge x do not
+    overflow when squared and tiny x still get the eps."""
+    x = x.double()
+    mask = torch.ones_like(x) if mask is None else mask.double()
     count = mask.sum()
+    if count == 0:
+        return torch.zeros_like(x, dtype=torch.float32)
     mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    centered = x - mean
+    scale = masked_max(centered.abs(), mask)  # s
+    if scale == 0:
+        var_scaled = torch.zeros_like(scale)
+    else:
+        var_scaled = masked_mean((centered / scale) ** 2, mask)  # var / s²
     if count > 1:
-        var = var * count / (count - 1)  # Bessel's correction
-    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+        var_scaled = var_scaled * count / (count - 1)  # Bessel's correction
+    if scale > 1:
+        std = scale * torch.sqrt(var_scaled + WHITEN_EPS / scale**2)  # s² would overflow
+    else:
+        std = torch.sqrt(scale**2 * var_scaled + WHITEN_EPS)  # s² underflows only next to eps
+    whitened = centered / std
     if not shift_mean:
         whitened = whitened + mean
-    return whitened
+    return whitened.float()
 
 
 def gae(
@@ -395,17 +412,20 @@ def gae(
 ):
     """Generalised advantage estimation, verl's masked form (SPEC 7). All inputs (B, T).
 
-    Returns (advantages, returns), fp32 (B, T)."""
+    Returns (advantages, returns), fp32 (B, T). Rewards and values at tokens with m = 0 never
+    reach the advantages (only returns = A + V at that same token)."""
     rewards, values, mask = rewards.float(), values.float(), mask.float()
     B, T = rewards.shape
     next_value = rewards.new_zeros(B)
     last_gae = rewards.new_zeros(B)
     advantages_reversed = []
     for t in reversed(range(T)):
+        m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         gae_t = delta + gamma * lam * last_gae
-        next_value = mask[:, t] * values[:, t] + (1 - mask[:, t]) * next_value
-        last_gae = mask[:, t] * gae_t + (1 - mask[:, t]) * last_gae
+        # m·x + (1 - m)·prev; a token with m = 0 keeps prev (a NaN there never reaches it)
+        next_value = torch.where(m > 0, m * values[:, t] + (1 - m) * next_value, next_value)
+        last_gae = torch.where(m > 0, m * gae_t + (1 - m) * last_gae, last_gae)
         advantages_reversed.append(last_gae)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = advantages + values
@@ -426,6 +446,16 @@ def _groups(rewards: Tensor, group_size: int | None, group_ids: Tensor | None) -
     return [torch.arange(s, s + group_size) for s in range(0, B, group_size)]
 
 
+def _unbiased_std(x: Tensor) -> Tensor:
+    """Unbiased std of x (n,), scale-safe: the centred values are divided by their largest
+    magnitude s before squaring, σ = s·std(c / s) (±1e200 in float64 does not overflow)."""
+    centered = x - x.mean()
+    scale = centered.abs().max()
+    if scale == 0:
+        return torch.zeros_like(scale)
+    return scale * (centered / scale).std()
+
+
 def group_advantages(
     rewards: Tensor,
     group_size: int | None = None,
@@ -442,10 +472,10 @@ def group_advantages(
     (`scale` defaults to `"none"` for it; `"group"` / `"batch"` divide as for grpo).
     reinforce++: R - μ_g, whitened over the batch: over the tokens of `mask` (B, T) when given
     (returns (B, T)), else over the B responses (`scale` must be None).
-    Groups of one and all-equal groups give 0."""
+    Groups of one and all-equal groups give 0. Computed in float64, returns fp32."""
     if scale is None:
         scale = {"grpo": "group", "rloo": "none", "reinforce++": "batch"}.get(estimator)
-    rewards = rewards.float()
+    rewards = rewards.double()
     centered = torch.zeros_like(rewards)
     group_std = torch.zeros_like(rewards)
     for idx in _groups(rewards, group_size, group_ids):
@@ -456,7 +486,7 @@ def group_advantages(
         centered[idx] = r - r.mean()
         if estimator == "rloo":
             centered[idx] = centered[idx] * n / (n - 1)
-        group_std[idx] = r.std()  # unbiased
+        group_std[idx] = _unbiased_std(r)
     if estimator == "reinforce++":
         if mask is None:
             return whiten(centered)
@@ -464,12 +494,12 @@ def group_advantages(
     if estimator not in ("grpo", "rloo"):
         raise ValueError(f"unknown estimator {estimator!r}; expected grpo, rloo or reinforce++")
     if scale == "none":
-        return centered
+        return centered.float()
     if scale == "group":
-        return centered / (group_std + eps)
+        return (centered / (group_std + eps)).float()
     if scale == "batch":
-        batch_std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-        return centered / (batch_std + eps)
+        batch_std = _unbiased_std(rewards) if rewards.numel() > 1 else rewards.new_zeros(())
+        return (centered / (batch_std + eps)).float()
     raise ValueError(f"unknown scale {scale!r}; expected group, batch or none")
 
 

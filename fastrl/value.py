@@ -20,6 +20,38 @@ from .config import AGGS
 from .reference import aggregate, masked_mean
 
 
+def _check_count(name: str, count, values: Tensor) -> Tensor | float | None:
+    """A caller's global count (`num_tokens` / `num_seqs`). A Python number must be finite and
+    > 0 (else a ValueError naming it). A one-element tensor is read without a host sync: it
+    becomes a 0-dim fp32 tensor on the values' device that is NaN wherever it is not a finite
+    number > 0, so a bad tensor count gives a NaN loss, never a finite wrong one."""
+    if count is None:
+        return None
+    if isinstance(count, Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be None, a finite number > 0 or a one-element real tensor, got "
+                f"{describe(count)}"
+            )
+        if count.device.type == "meta" and values.device.type != "meta":
+            raise ValueError(
+                f"{name} is on device meta (a tensor without data); expected it on the values' "
+                f"device {values.device} or the CPU"
+            )
+        c = count.detach().to(device=values.device, dtype=torch.float32).reshape(())
+        return torch.where(torch.isfinite(c) & (c > 0), c, float("nan"))
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise ValueError(
+            f"{name} must be None, a finite number > 0 or a one-element real tensor, got "
+            f"{type(count).__name__}"
+        )
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(
+            f"{name} must be a finite number > 0 (a token / sequence count), got {count!r}"
+        )
+    return float(count)
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,
@@ -38,7 +70,13 @@ def value_loss(
     `agg` is one of the four SPEC 5 aggregations; the `seq-mean-*` ones need (B, T) inputs.
     `max_len` is the constant of seq-mean-token-sum-norm (default T); `num_tokens` / `num_seqs`
     are the global counts of data-parallel ranks and accumulation steps, as in `policy_loss`
-    (default: this batch's)."""
+    (default: this batch's): a Python number must be finite and > 0 (ValueError otherwise); a
+    tensor count that is not gives a NaN loss (no host sync).
+
+    What the mask excludes never reaches the loss, the clip fraction or the gradient: values,
+    old_values and returns at tokens with m = 0 are replaced by 0 (torch.where), so a NaN / inf
+    there changes nothing and the gradient there is exactly 0. A float mask must hold values
+    >= 0 (no NaN): checked, with a ValueError naming `mask`, on CPU tensors."""
     check_float("values", values, "shape (B, T) or (N,)")
     if values.dim() not in (1, 2):
         raise ValueError(
@@ -60,13 +98,24 @@ def value_loss(
         raise ValueError(f"agg={agg!r}; expected one of {AGGS}")
     if values.dim() == 1 and agg != "token-mean":
         raise ValueError(f"agg={agg!r} needs sequences: pass values of shape (B, T), not {shape}")
-    if max_len is not None and (not isinstance(max_len, int) or max_len < 1):
+    if max_len is not None and (
+        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
+    ):
         raise ValueError(f"max_len must be an int >= 1 or None, got {max_len!r}")
+    num_tokens = _check_count("num_tokens", num_tokens, values)
+    num_seqs = _check_count("num_seqs", num_seqs, values)
 
     v = values.float() if values.dim() == 2 else values.float().unsqueeze(0)  # (B, T)
-    v_old = old_values.float().reshape(v.shape)
-    ret = returns.float().reshape(v.shape)
-    m = torch.ones_like(v) if mask is None else mask.reshape(v.shape).float()
+    v_old = old_values.detach().float().reshape(v.shape)
+    ret = returns.detach().float().reshape(v.shape)
+    if mask is None:
+        m = torch.ones_like(v)
+    else:
+        m = mask.reshape(v.shape).float()
+        counted = m > 0  # entries with m = 0 never reach the result (not even a NaN there)
+        v = torch.where(counted, v, 0.0)
+        v_old = torch.where(counted, v_old, 0.0)
+        ret = torch.where(counted, ret, 0.0)
     if clip is None:
         v_clip = v
     else:

@@ -8,6 +8,8 @@ Each step is an affine map x -> a·x + b, and the composition of maps is associa
 of BLOCK_T steps is scanned with `tl.associative_scan` (reverse) and the block's result is carried
 into the previous block. The next_v used at step t is the one produced by steps t+1 .. T-1: it is
 the reverse scan of the maps of step t+1 (loaded one element to the right) applied to the carry.
+A step with m_t = 0 is the identity map whatever r_t and V_t hold (the m·x terms are formed with
+tl.where, so a NaN / inf reward or value at a masked token never reaches the result).
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def _gae_fwd_kernel(
         shifted_in = (nxt < T) & (nxt < start + BLOCK_T)
         v1 = tl.load(v_row + nxt * stride_vt, mask=shifted_in, other=0.0).to(tl.float32)
         m1 = tl.load(m_row + nxt * stride_mt, mask=shifted_in, other=0.0).to(tl.float32)
-        a_nv, b_nv = tl.associative_scan((1.0 - m1, m1 * v1), 0, _affine_combine, reverse=True)
+        # (tl.where, not m·x: a NaN / inf at a token with m = 0 must not reach the result)
+        b_nv = tl.where(m1 != 0, m1 * v1, 0.0)
+        a_nv, b_nv = tl.associative_scan((1.0 - m1, b_nv), 0, _affine_combine, reverse=True)
         next_v_t = a_nv * next_v + b_nv  # (BLOCK_T,) next_v seen by step t
         # the last maps of steps t
         a_l = m * c + 1.0 - m
-        b_l = m * (r + gamma * next_v_t - v)
+        b_l = tl.where(m != 0, m * (r + gamma * next_v_t - v), 0.0)
         a_l, b_l = tl.associative_scan((a_l, b_l), 0, _affine_combine, reverse=True)
         adv = a_l * last + b_l  # (BLOCK_T,)
         tl.store(a_row + offs * stride_at, adv, mask=inside)
@@ -76,7 +80,7 @@ def _gae_fwd_kernel(
         m0 = tl.sum(tl.where(first, m, 0.0))
         v0 = tl.sum(tl.where(first, v, 0.0))
         nv0 = tl.sum(tl.where(first, next_v_t, 0.0))
-        next_v = m0 * v0 + (1.0 - m0) * nv0
+        next_v = tl.where(m0 != 0, m0 * v0, 0.0) + (1.0 - m0) * nv0
         last = tl.sum(tl.where(first, adv, 0.0))
 
 

@@ -328,3 +328,135 @@ def test_gae_accepts_values_that_require_grad():
     expected = ref.gae(rewards, values.detach(), torch.ones(3, 7), 0.9, 0.8)
     torch.testing.assert_close(adv, expected[0])
     assert not adv.requires_grad and not ret.requires_grad
+
+
+# --------------------------------------------------------------------------- nothing silently wrong
+def test_whiten_is_scale_safe():
+    """Squares of 1e20 overflow fp32 (the result used to be all zeros); tiny inputs still get
+    the eps of SPEC 7."""
+    huge = torch.tensor([1e20, -1e20, 3e20])  # mean 1e20, centred 0, -2e20, 2e20: std 2e20
+    torch.testing.assert_close(fastrl.whiten(huge), torch.tensor([0.0, -1.0, 1.0]))
+    torch.testing.assert_close(ref.whiten(huge), torch.tensor([0.0, -1.0, 1.0]))
+    tiny = torch.tensor([1e-30, -1e-30, 3e-30], dtype=torch.float64)  # var 4e-60 << eps
+    expected = torch.tensor([0.0, -2e-30, 2e-30], dtype=torch.float64) / math.sqrt(4e-60 + 1e-8)
+    torch.testing.assert_close(fastrl.whiten(tiny).double(), expected, rtol=1e-6, atol=1e-40)
+    torch.testing.assert_close(ref.whiten(tiny).double(), expected, rtol=1e-6, atol=1e-40)
+    offset = 1e7 + torch.tensor([0.0, 1.0, 2.0, 3.0])  # exact in fp32; mean 1e7 + 1.5
+    expected = (torch.tensor([-1.5, -0.5, 0.5, 1.5]) / math.sqrt(5 / 3 + 1e-8)).float()
+    torch.testing.assert_close(fastrl.whiten(offset), expected)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_empty_mask_gives_zeros(shift_mean):
+    """Nothing counted: zeros (it used to give 1e4 * x), whatever the masked entries hold."""
+    x = torch.tensor([1.0, 2.0, math.nan, -math.inf, 3.0])
+    for mask in (torch.zeros(5, dtype=torch.bool), torch.zeros(5)):
+        out = fastrl.whiten(x, mask, shift_mean=shift_mean)
+        assert torch.equal(out, torch.zeros(5))
+        assert torch.equal(ref.whiten(x, mask, shift_mean=shift_mean), torch.zeros(5))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1e30])
+def test_whiten_masked_entries_do_not_reach_the_statistics(bad):
+    """A NaN / inf / huge value at a masked entry stays at that entry (it used to make the whole
+    output NaN)."""
+    x = torch.tensor([1.0, bad, 3.0, 4.0])
+    mask = torch.tensor([True, False, True, True])
+    out = fastrl.whiten(x, mask)
+    expected = fastrl.whiten(torch.tensor([1.0, 0.0, 3.0, 4.0]), mask)
+    counted = mask.clone()
+    torch.testing.assert_close(out[counted], expected[counted])
+    torch.testing.assert_close(ref.whiten(x, mask)[counted], expected[counted])
+    assert torch.isfinite(out[counted]).all()
+
+
+def test_group_advantages_are_scale_safe_in_float64():
+    """±1e200 in fp64: σ_g² overflows when formed directly (the result used to be 0)."""
+    r = torch.tensor([1e200, -1e200, 3e200, -3e200], dtype=torch.float64)
+    a = 1 / math.sqrt(2)  # (R - μ) / σ for a pair {x, -x}
+    out = fastrl.group_advantages(r, 2, eps=0.0)
+    torch.testing.assert_close(out, torch.tensor([a, -a, a, -a]))
+    torch.testing.assert_close(ref.group_advantages(r, 2, eps=0.0), out)
+    rloo = fastrl.group_advantages(r, 2, estimator="rloo", scale="group", eps=0.0)
+    torch.testing.assert_close(rloo, 2 * out)
+    batch_sd = math.sqrt(20 / 3)  # of {1, -1, 3, -3} (units of 1e200), mean 0
+    expected = torch.tensor([1.0, -1, 3, -3]) / batch_sd
+    batch = fastrl.group_advantages(r, 2, scale="batch", eps=0.0)
+    torch.testing.assert_close(batch, expected)
+    torch.testing.assert_close(ref.group_advantages(r, 2, scale="batch", eps=0.0), expected)
+    # reinforce++: centred R = R here (pairs {x, -x}), whitened over the batch: not inf / 0
+    pp = fastrl.group_advantages(r, 2, estimator="reinforce++")
+    torch.testing.assert_close(pp, expected)
+    torch.testing.assert_close(ref.group_advantages(r, 2, estimator="reinforce++"), expected)
+    equal = torch.full((4,), 2e200, dtype=torch.float64)  # all-equal groups: exactly 0
+    assert torch.equal(fastrl.group_advantages(equal, 2), torch.zeros(4))
+
+
+def test_reinforce_pp_with_an_all_zero_mask_gives_zeros():
+    """It used to give ±5000 (= centred R / sqrt(1e-8)) on every token."""
+    r = torch.tensor([1.0, 0.0, 1.0, 2.0])
+    for mask in (torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bool)):
+        out = fastrl.group_advantages(r, 2, estimator="reinforce++", mask=mask)
+        assert torch.equal(out, torch.zeros(4, 3))
+        expected = ref.group_advantages(r, 2, estimator="reinforce++", mask=mask)
+        assert torch.equal(expected, torch.zeros(4, 3))
+
+
+def test_group_ids_on_meta_is_a_clear_error():
+    ids = torch.zeros(4, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="group_ids.*meta.*cpu"):
+        fastrl.group_advantages(torch.randn(4), group_ids=ids)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_gae_masked_nonfinite_never_reaches_counted_tokens(engine, bad):
+    """A NaN / inf reward or value at a masked token (e.g. a tool-output token) changes nothing
+    at the counted tokens nor the whitening, on every backend (the Triton scan used to turn the
+    whole row NaN: 0 * NaN). `check` only looks at counted tokens."""
+    device, _ = engine
+    rewards, values, mask = (x.to(device) for x in _inputs(3, 37, 0.6, seed=3))
+    mask[1] = False  # a fully masked row
+    expected, _ = ref.gae(rewards.cpu(), values.cpu(), mask.cpu(), 0.99, 0.95)
+    poisoned_r, poisoned_v = rewards.clone(), values.clone()
+    poisoned_r[~mask] = bad
+    poisoned_v[~mask] = bad
+    for whiten in (True, False):
+        adv, ret = fastrl.gae(poisoned_r, poisoned_v, mask, 0.99, 0.95, whiten=whiten)
+        clean, clean_ret = fastrl.gae(rewards, values, mask, 0.99, 0.95, whiten=whiten)
+        torch.testing.assert_close(adv, clean, atol=1e-6, rtol=1e-6)  # every token
+        torch.testing.assert_close(ret[mask], clean_ret[mask], atol=1e-6, rtol=1e-6)
+    adv, _ = fastrl.gae(poisoned_r, poisoned_v, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv.cpu(), expected, atol=1e-5, rtol=1e-5)
+    ref_adv, _ = ref.gae(poisoned_r.cpu(), poisoned_v.cpu(), mask.cpu(), 0.99, 0.95)
+    torch.testing.assert_close(ref_adv, expected)
+    with pytest.raises(ValueError, match="rewards.*counted"):
+        bad_counted = rewards.clone()
+        bad_counted[0, mask[0].nonzero()[0, 0]] = math.nan
+        fastrl.gae(bad_counted, values, mask)
+
+
+def test_gae_fractional_mask_masked_nan():
+    rewards, values, _ = _inputs(2, 12, 1.0)
+    mask = torch.rand(2, 12)
+    mask[:, ::3] = 0.0
+    clean, _ = fastrl.gae(rewards, values, mask, 0.9, 0.8)
+    rewards[:, ::3] = math.nan
+    values[:, ::3] = math.nan
+    adv, _ = fastrl.gae(rewards, values, mask, 0.9, 0.8)
+    torch.testing.assert_close(adv, clean)
+    torch.testing.assert_close(ref.gae(rewards, values, mask, 0.9, 0.8)[0], clean)
+
+
+def test_gae_kernel_masked_nan_across_blocks():
+    """The Triton scan's block carry (next_v from a block's first step) with a NaN there."""
+    from fastrl.kernels.gae import gae_scan
+
+    rewards, values, mask = _inputs(2, 48, 0.7, seed=5)
+    mask[:, 16] = False  # the first step of the second block of 16
+    mask[:, 32] = False
+    expected = spec_gae_loop(rewards.tolist(), values.tolist(), mask.float().tolist(), 0.9, 0.7)
+    rewards[~mask] = math.nan
+    values[~mask] = math.nan
+    adv = gae_scan(rewards, values, mask.float(), 0.9, 0.7, block_t=16)
+    torch.testing.assert_close(adv.double(), expected, atol=1e-5, rtol=1e-5)

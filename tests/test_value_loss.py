@@ -1,5 +1,7 @@
 """value_loss (SPEC 8) against the reference, by hand, and on bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -75,7 +77,9 @@ def test_value_loss_flat_and_empty_mask():
         (dict(old_values=torch.zeros(4, 8)), "old_values"),
         (dict(returns=torch.zeros(36)), "returns"),
         (dict(mask=torch.ones(4, 8)), "mask"),
-        (dict(mask=torch.ones(4, 9, dtype=torch.long)), "mask"),
+        (dict(mask=torch.full((4, 9), 2, dtype=torch.long)), "mask"),  # int masks are 0/1
+        (dict(mask=torch.full((4, 9), -1.0)), "mask"),  # a negative weight
+        (dict(mask=torch.full((4, 9), math.nan)), "mask"),
         (dict(values=torch.zeros(2, 2, 9)), "values"),
         (dict(clip=-0.1), "clip"),
         (dict(agg="mean"), "agg"),
@@ -102,3 +106,58 @@ def test_global_token_count():
     local, _ = value_loss(v, v_old, ret, mask)
     scaled, _ = value_loss(v, v_old, ret, mask, num_tokens=torch.tensor(10.0))
     torch.testing.assert_close(scaled, local / 2)
+
+
+# --------------------------------------------------------------------------- nothing silently wrong
+@pytest.mark.parametrize("name", ["num_tokens", "num_seqs"])
+@pytest.mark.parametrize("count", [-6.0, 0, 0.0, -1, math.nan, math.inf, True, "6"])
+def test_value_loss_python_count_must_be_a_positive_number(name, count):
+    """A Python count <= 0 / NaN / inf (or not a number) raises, naming the argument (it used to
+    divide by 1, or flip the loss's sign)."""
+    values, old_values, returns, mask = _inputs()
+    agg = "token-mean" if name == "num_tokens" else "seq-mean-token-sum"
+    with pytest.raises(ValueError, match=name):
+        value_loss(values, old_values, returns, mask, agg=agg, **{name: count})
+
+
+@pytest.mark.parametrize("name", ["num_tokens", "num_seqs"])
+@pytest.mark.parametrize("count", [-6.0, 0.0, math.nan, math.inf, -math.inf])
+def test_value_loss_bad_tensor_count_gives_nan(name, count):
+    """A tensor count is not read on the host: one that is not a finite number > 0 gives a NaN
+    loss, never a finite wrong one (an inf count used to give a finite 0)."""
+    values, old_values, returns, mask = _inputs()
+    agg = "token-mean" if name == "num_tokens" else "seq-mean-token-mean"
+    loss, _ = value_loss(values, old_values, returns, mask, agg=agg, **{name: torch.tensor(count)})
+    assert torch.isnan(loss)
+    good, _ = value_loss(values, old_values, returns, mask, agg=agg, **{name: torch.tensor(6.0)})
+    assert torch.isfinite(good)
+
+
+@pytest.mark.parametrize("name", ["num_tokens", "num_seqs"])
+def test_value_loss_count_on_meta_is_a_clear_error(name):
+    values, old_values, returns, mask = _inputs()
+    count = torch.tensor(3.0, device="meta")
+    with pytest.raises(ValueError, match=f"{name}.*meta"):
+        value_loss(values, old_values, returns, mask, **{name: count})
+    with pytest.raises(ValueError, match=name):
+        value_loss(values, old_values, returns, mask, **{name: torch.ones(2)})
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_value_loss_masked_nonfinite_never_reaches_loss_or_grad(agg, bad):
+    """NaN / inf at masked tokens of values, old_values or returns change neither the loss, the
+    clip fraction nor the gradient (which is exactly 0 there); x * mask would give NaN."""
+    values, old_values, returns, mask = _inputs()
+    expected, expected_frac = value_loss(values, old_values, returns, mask, agg=agg)
+    (expected_grad,) = torch.autograd.grad(expected, values)
+    poisoned = [x.detach().clone() for x in (values, old_values, returns)]
+    for x in poisoned:
+        x[~mask] = bad
+    v = poisoned[0].requires_grad_()
+    loss, frac = value_loss(v, poisoned[1], poisoned[2], mask, agg=agg)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(frac, expected_frac)
+    (grad,) = torch.autograd.grad(loss, v)
+    torch.testing.assert_close(grad, expected_grad)
+    assert torch.all(grad[~mask] == 0)
