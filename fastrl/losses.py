@@ -109,11 +109,57 @@ def policy_loss(
         overrides,
         check_range=check_range,
     )
-    logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.config.temperature, inplace=inplace)
-    out = policy_output(logp, entropy, x)
+    if torch.is_grad_enabled() and x.logits.requires_grad:
+        if inplace:
+            _check_inplace(logits)
+        logp, entropy, grad = _policy_grad(x, inplace)
+        with torch.no_grad():
+            out = policy_output(logp, entropy, x)
+        out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
+    else:
+        logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.config.temperature)
+        out = policy_output(logp, entropy, x)
     if check_finite:
         _check_finite(out.loss, logp)
     return out
+
+
+def _op_inputs(x) -> tuple:
+    """The per-token inputs of a PolicyInputs as op arguments (tensor counts kept apart)."""
+    counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
+    return (x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts)
+
+
+def _policy_grad(x, inplace: bool):
+    """(logp, entropy, dloss/dlogits) in the forward; the gradient overwrites the logits with
+    `inplace` (then the returned gradient is the logits tensor itself, detached)."""
+    logits = x.logits
+    if logits.shape[-1] > 1 and logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the only copy: a V dimension that is not contiguous
+    key = ops.config_key(x.config)
+    if inplace:
+        with torch.no_grad():
+            target = logits.detach()  # shares the version counter: autograd sees the write
+            logp, entropy = ops.policy_loss_grad_(target, x.tokens, *_op_inputs(x), key)
+        return logp, entropy, target
+    return ops.policy_loss_grad(logits.detach(), x.tokens, *_op_inputs(x), key)
+
+
+def _check_inplace(logits: Tensor) -> None:
+    """inplace=True writes the gradient into the logits' storage: refuse storage that autograd
+    or the caller still owns (a leaf or a view of one; expanded / overlapping memory)."""
+    base = logits if logits._base is None else logits._base
+    if base.is_leaf and base.requires_grad:
+        raise ValueError(
+            f"inplace=True would overwrite logits {tuple(logits.shape)} that are (a view of) a "
+            "leaf tensor requiring grad, i.e. the caller's own tensor: use inplace=False, or pass "
+            "logits produced by an op (e.g. the lm_head's output)"
+        )
+    if any(st == 0 and n > 1 for st, n in zip(logits.stride(), logits.shape)):
+        raise ValueError(
+            f"inplace=True needs logits whose entries have their own memory, got shape "
+            f"{tuple(logits.shape)} with strides {logits.stride()} (expanded): use inplace=False"
+        )
 
 
 def _check_finite(loss: Tensor, logp: Tensor) -> None:

@@ -30,6 +30,7 @@ used as a weak Python scalar on fp32 tensors (torch path), never promoting anyth
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -281,3 +282,368 @@ def token_logprobs(
         logits = logits.contiguous()
     logp, entropy, _ = _token_logprobs_op(logits, tokens, float(temperature), bool(inplace))
     return logp, entropy
+
+
+# ======================================================================= gradient in the forward
+# When the loss is a function of the per-token (logp, H) only, its gradient w.r.t. the logits is
+# known as soon as the forward has seen each row: g_t = dloss/dlogp_t and h_t = dloss/dH_t come
+# from O(N) autograd on the per-token terms (`token_grads`), and SPEC 6 turns them into dL/dz.
+# The fused losses therefore compute dL/dz in the forward and keep it; their backward only
+# multiplies it by the upstream gradient (`scale_grad_`, no pass at all when that is exactly 1).
+#
+# The torch (CPU) path does it with ONE exp per logit: pass 1 writes e = exp(z' - m) into the
+# gradient buffer while it reduces the row (s = sum e, sum e (z' - m), z'_y); pass 2 turns e into
+# dL/dz in place, reading only that buffer:
+#     dL/dz_j = p_j a log p_j + p_j c (+ g/tau at j = y),  p = e / s,
+#     a = -h / tau,  c = -(g + h H) / tau
+# (with h = 0, the usual case, pass 2 is one multiply per element). The entry j = y is then
+# overwritten by its exact fp32 value (tau^-1 [g (1 - p_y) - h p_y (logp_y + H)]), so a buffer in
+# bf16 / fp16 never loses g (1 - p_y) to cancellation. The Triton path runs its stats kernel,
+# the same O(N) autograd and its gradient kernel (two reads of the logits).
+def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor):
+    """Pass 1 of the one-exp path: e = exp(z' - m) into `out` (B, T, V); returns fp32 (B, T)
+    logp = u_y - log s, H = log s - sum e u / s (u = z' - m: no cancellation at large offsets or
+    low temperature) and log s. `out` may be the logits' own storage (each chunk is read before
+    it is written)."""
+    B, T, V = logits.shape
+    N = B * T
+    logp, entropy, log_s = (
+        torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
+    y_all = tokens.reshape(-1).long()
+    step = chunk_rows(V)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        z = _scaled(_rows(logits, r0, r1), temperature)  # (R, V) fp32, maybe the logits
+        u = z - z.amax(-1, keepdim=True)  # (R, V): z' - m <= 0 (NaN for a NaN / +inf row)
+        del z
+        dst = _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
+        if dst is not None and dst.dtype == torch.float32:
+            e = torch.exp(u, out=dst)
+        else:
+            e = torch.exp(u)
+        y = y_all[r0:r1]
+        y_ok = (y >= 0) & (y < V)
+        u_y = u.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
+        s = e.sum(-1)  # (R,)
+        u.clamp_(min=torch.finfo(torch.float32).min)  # -inf logits: e = 0 and e * u must be 0
+        sum_eu = torch.bmm(e[:, None, :], u[:, :, None]).view(-1)  # sum_j e_j u_j, no temporary
+        del u
+        ls = torch.log(s)
+        logp[r0:r1] = torch.where(y_ok, u_y - ls, float("nan"))
+        entropy[r0:r1] = ls - sum_eu / s
+        log_s[r0:r1] = ls
+        if dst is None:
+            idx = torch.arange(r0, r1, device=out.device)
+            out[idx // T, idx % T] = e.to(out.dtype)
+        elif e.data_ptr() != dst.data_ptr():
+            dst.copy_(e)
+        del e
+    return logp.view(B, T), entropy.view(B, T), log_s.view(B, T)
+
+
+def _torch_finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
+    """Pass 2 of the one-exp path: `out` (B, T, V) holds e = exp(z' - m); overwrite it with
+    dL/dz = p (a log p + c) (+ the exact entry at y), p = e / s. Reads only `out`."""
+    B, T, V = out.shape
+    inv_temp = 1.0 / temperature
+    inv_s = torch.exp(-log_s)  # (B, T)
+    if h is None:
+        out.mul_((g * (-inv_temp) * inv_s)[..., None])
+    else:
+        a = h * -inv_temp  # (B, T)
+        # p (a log p + c) = e/s (a log e + a (-log s) + c) = e * (a/s log e + (c - a log s)/s)
+        c = (g + h * entropy) * -inv_temp
+        k1, k0 = (a * inv_s).reshape(-1), ((c - a * log_s) * inv_s).reshape(-1)
+        step = chunk_rows(V)
+        for r0 in range(0, B * T, step):
+            r1 = min(B * T, r0 + step)
+            rows = _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
+            e = rows if rows is not None else out.reshape(B * T, V)[r0:r1]
+            t = torch.log(e.float()).clamp_(min=-1e4)  # (R, V); e = 0 -> p log p = 0
+            t.mul_(k1[r0:r1, None]).add_(k0[r0:r1, None])
+            if rows is not None:
+                rows.mul_(t)
+            else:
+                idx = torch.arange(r0, r1, device=out.device)
+                out[idx // T, idx % T] = (e.float() * t).to(out.dtype)
+            del t
+    # the exact entry at the sampled token (fp32, no cancellation in g (1 - p_y))
+    y = tokens.long()
+    y_ok = (y >= 0) & (y < V)
+    p_y = torch.exp(logp)
+    d_y = g * (1 - p_y)
+    if h is not None:
+        d_y = d_y - h * p_y * (logp + entropy)
+    d_y = torch.where(y_ok, d_y * inv_temp, float("nan"))
+    out.scatter_(-1, torch.where(y_ok, y, 0)[..., None], d_y[..., None].to(out.dtype))
+    return out
+
+
+def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None):
+    """g = dloss/dlogp and h = dloss/dH (fp32, like logp; h None without an entropy bonus) by
+    autograd on the O(N) per-token terms of SPEC 1-5 (`fastrl.reference`, one implementation).
+
+    weights None: the whole loss (`policy_terms`; any option, sequence-level ones included).
+    weights (c_t = dloss/dL_t from `aggregation_weights`): sum_t c_t L_t over the given rows
+    only, exact when `is_token_separable(x.config)` (then rows can be processed chunk by chunk)."""
+    from .reference import aggregate, masked_sum, token_terms
+
+    cfg = x.config
+    with_entropy = cfg.entropy_coef != 0
+
+    def loss_fn(lp: Tensor, ent: Tensor) -> Tensor:
+        per_token = token_terms(lp, ent, x).per_token_loss
+        if weights is None:
+            return aggregate(per_token, x.mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
+        return masked_sum(per_token * weights, x.mask)
+
+    with _autograd_enabled():
+        lp = logp.detach().float().requires_grad_()
+        ent = entropy.detach().float().requires_grad_(with_entropy)
+        loss = loss_fn(lp, ent)
+        leaves = (lp, ent) if with_entropy else (lp,)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else ()
+    g = grads[0] if grads and grads[0] is not None else torch.zeros_like(lp)
+    h = grads[1] if len(grads) > 1 and grads[1] is not None else None
+    return g.detach(), None if h is None else h.detach()
+
+
+_AUTOGRAD_KEYS = tuple(
+    getattr(torch._C.DispatchKey, k)
+    for k in ("AutogradFunctionality", "ADInplaceOrView", "AutogradOther", "AutogradCPU",
+              "AutogradCUDA")
+    if hasattr(torch._C.DispatchKey, k)
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _autograd_enabled():
+    """Autograd on for O(N) per-token math, also inside a custom op's implementation (which
+    torch.library runs below the autograd dispatch keys) and inside compiled graphs."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    include = torch._C._dispatch_tls_local_include_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature: float, grad_fn, out: Tensor):
+    """(logp, entropy) fp32 (B, T) of logits (B, T, V), and dL/dz written into `out` (B, T, V)
+    (which may be `logits`), where (g, h) = grad_fn(logp, entropy). One exp per logit on the
+    torch path; stats + gradient kernels on the Triton path."""
+    temperature = float(temperature)
+    if backend_for(logits.device) == "triton":
+        from .kernels.policy_loss import token_stats_bwd, token_stats_fwd
+
+        logp, entropy, lse = token_stats_fwd(logits, tokens, temperature)
+        g, h = grad_fn(logp, entropy)
+        token_stats_bwd(logits, tokens, lse, entropy, g, h, temperature, out)
+        return logp, entropy
+    logp, entropy, log_s = _torch_stats_e(logits, tokens, temperature, out)
+    g, h = grad_fn(logp, entropy)
+    _torch_finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
+    return logp, entropy
+
+
+# --------------------------------------------------------------------------- the policy-loss ops
+@torch.compiler.assume_constant_result
+def config_key(cfg) -> str:
+    """A LossConfig as a string (a constant of the op schema, so of a compiled graph)."""
+    import dataclasses
+    import json
+
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def _policy_inputs(
+    logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, config
+):
+    import json
+
+    from ._inputs import PolicyInputs
+    from .config import LossConfig
+
+    cfg = LossConfig(**json.loads(config))
+    return PolicyInputs(
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        mask,
+        False,
+        cfg,
+        cfg.num_tokens if num_tokens is None else num_tokens,
+        cfg.num_seqs if num_seqs is None else num_seqs,
+    )
+
+
+def _policy_grad_into(
+    logits,
+    tokens,
+    advantages,
+    old_logp,
+    ref_logp,
+    rollout_logp,
+    mask,
+    num_tokens,
+    num_seqs,
+    config,
+    out,
+):
+    x = _policy_inputs(
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        mask,
+        num_tokens,
+        num_seqs,
+        config,
+    )
+    return stats_and_grad_(
+        logits, tokens, x.config.temperature, lambda lp, ent: token_grads(lp, ent, x), out
+    )
+
+
+@torch.library.custom_op("fastrl::policy_loss_grad", mutates_args=())
+def policy_loss_grad(
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    rollout_logp: Tensor | None,
+    mask: Tensor,
+    num_tokens: Tensor | None,
+    num_seqs: Tensor | None,
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy) fp32 (B, T) and dloss/dlogits (B, T, V, logits' dtype) of the policy loss
+    of SPEC 1-5 (`config` from `config_key`), all in the forward."""
+    _check_v_contiguous(logits)
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    logp, entropy = _policy_grad_into(
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        mask,
+        num_tokens,
+        num_seqs,
+        config,
+        out,
+    )
+    return logp, entropy, out
+
+
+@policy_loss_grad.register_fake
+def _(
+    logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, config
+):
+    B, T, _ = logits.shape
+    stats = [logits.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
+    return (*stats, torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
+
+
+@torch.library.custom_op("fastrl::policy_loss_grad_", mutates_args=("logits",))
+def policy_loss_grad_(
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    rollout_logp: Tensor | None,
+    mask: Tensor,
+    num_tokens: Tensor | None,
+    num_seqs: Tensor | None,
+    config: str,
+) -> tuple[Tensor, Tensor]:
+    """Like policy_loss_grad, but the gradient overwrites `logits` (inplace=True)."""
+    _check_v_contiguous(logits)
+    return _policy_grad_into(
+        logits,
+        tokens,
+        advantages,
+        old_logp,
+        ref_logp,
+        rollout_logp,
+        mask,
+        num_tokens,
+        num_seqs,
+        config,
+        logits,
+    )
+
+
+@policy_loss_grad_.register_fake
+def _(
+    logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, config
+):
+    B, T, _ = logits.shape
+    return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(2))
+
+
+# --------------------------------------------------------------------------- scale and attach
+@torch.library.custom_op("fastrl::scale_grad_", mutates_args=("grad",))
+def scale_grad_(grad: Tensor, scale: Tensor) -> None:
+    """grad *= scale in place; no pass over `grad` when scale is exactly 1 (the usual
+    loss.backward()). CPU: the value is read (a CPU tensor: no device sync). Triton: each program
+    reads the scale on the device and returns at once when it is 1 (no host sync)."""
+    if grad.numel() == 0:
+        return
+    if backend_for(grad.device) == "triton":
+        from .kernels.policy_loss import scale_grad
+
+        scale_grad(grad, scale)
+        return
+    if scale.device.type == "cpu" and float(scale) == 1.0:
+        return
+    grad.mul_(scale.to(grad.dtype))
+
+
+@scale_grad_.register_fake
+def _(grad, scale):
+    return None
+
+
+class _AttachGrads(torch.autograd.Function):
+    """loss (0-dim, computed without autograd) made differentiable w.r.t. `inputs`, whose
+    gradients were computed in the forward: backward scales them by dL_total/dloss in place
+    and hands them on. Backward can run once per forward (a second would scale again: raises)."""
+
+    @staticmethod
+    def forward(ctx, loss, n, *args):
+        inputs, grads = args[:n], args[n:]
+        ctx.save_for_backward(*grads)
+        ctx.n = n
+        ctx.done = False
+        del inputs
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if not torch.compiler.is_compiling():
+            if ctx.done:
+                raise RuntimeError(
+                    "fastrl: backward through this fused loss ran twice (retain_graph=True): its "
+                    "gradient is computed once in the forward; compute the loss again instead"
+                )
+            ctx.done = True
+        grads = ctx.saved_tensors
+        for grad in grads:
+            scale_grad_(grad, grad_loss)
+        return (None, None, *grads, *(None for _ in grads))
+
+
+def attach_grads(loss: Tensor, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
+    """`loss` (a value) as a differentiable function of `inputs` with d loss / d inputs = grads
+    (same shapes), so that backward costs no more than scaling the gradients."""
+    return _AttachGrads.apply(loss, len(inputs), *inputs, *grads)

@@ -204,13 +204,13 @@ def test_strided_view_not_copied(engine, monkeypatch):
     device, _ = engine
     batch = make_batch(2, 5, 33, device=device, extra_t=1)
     seen = []
-    real = ops._token_logprobs_op
+    real = ops.policy_loss_grad
 
     def spy(logits, *args):
         seen.append((logits.data_ptr(), logits.stride()))
         return real(logits, *args)
 
-    monkeypatch.setattr(ops, "_token_logprobs_op", spy)
+    monkeypatch.setattr(ops, "policy_loss_grad", spy)
     out = run_both(batch, view=lambda x: x[:, :-1], config="grpo", entropy_coef=0.01)
     assert_match(*out)
     assert seen and seen[0][1] == (6 * 33, 33, 1)  # (T+1)*V row stride: the view itself
