@@ -2,13 +2,22 @@
 
 `sample(logits, temperature, top_k, top_p, generator)` draws y ~ softmax(z / τ) by the Gumbel-max
 trick, y = argmax_j (z'_j + G_j), and returns logp_y = z'_y - lse and H = lse - Σ p z' computed
-in the same pass. With top-k / top-p the distribution sampled is the truncated, renormalised one
-(tokens outside the support get z' = -inf; this needs a sort: a second pass), and logp / entropy
-are under it. temperature = 0 is greedy: argmax token, logp and entropy under τ = 1 (top-k /
-top-p do not change the argmax and are ignored then).
+in the same pass. Both are computed from max-shifted values (m = max z'):
+logp_y = (z'_y - m) - log s and H = log s - Σ p (z' - m), s = Σ e^(z' - m), whose terms are all
+>= 0, so H keeps fp32 accuracy at large logit offsets, low temperature and fp16 extremes. With
+top-k / top-p the distribution sampled is the truncated, renormalised one (tokens outside the
+support get z' = -inf; this needs a sort: a second pass), and logp / entropy are under it.
+temperature = 0 is greedy: argmax token, logp and entropy under τ = 1 (top-k / top-p do not
+change the argmax and are ignored then).
+
+Non-finite logits: -inf entries have probability 0 (never sampled, no contribution to H). A row
+holding any NaN logit returns logp = NaN and entropy = NaN on every backend (the NaN is never
+silently dropped); its token is unspecified, some value in [0, V). A +inf logit also makes its
+row's logp / entropy NaN.
 
 Backends: CUDA tensors -> the Triton kernel of `fastrl.kernels.sampling` (Philox noise keyed by a
-seed drawn from `generator` on the device: no host sync); CPU tensors -> PyTorch, chunked over
+seed drawn from `generator` on the device: no host sync; one program per row, or split-V for few
+rows and a large V, which gives the same tokens); CPU tensors -> PyTorch, chunked over
 rows (uniform noise drawn from `generator`); FASTRL_BACKEND=triton runs the kernel on CPU tensors
 (with TRITON_INTERPRET=1). The same seed gives the same tokens on the same device and backend;
 the two backends draw different noise.
@@ -26,6 +35,7 @@ from .ops import backend_for
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
+_FLT_LOWEST = torch.finfo(torch.float32).min
 
 
 def _validate(logits, temperature, top_k, top_p, generator) -> None:
@@ -116,7 +126,9 @@ def _sample_torch(logits: Tensor, temperature: float, greedy: bool, top_k, top_p
     """PyTorch path, rows in chunks (bounded fp32 temporaries, truncation included).
 
     Gumbel-max with G = -log(-log U), U ~ U[0, 1) from `generator` (U = 0 gives G = -inf: that
-    token cannot win, an event of probability 2^-24 per entry)."""
+    token cannot win, an event of probability 2^-24 per entry). Statistics from zc = z' - m
+    (m = row max): lse_c = log Σ e^zc, logp = zc_y - lse_c, H = lse_c - Σ p zc (no
+    cancellation); a NaN logit makes m, hence logp and H, NaN."""
     N, V = logits.shape
     dev = logits.device
     tokens = torch.empty(N, dtype=torch.int64, device=dev)
@@ -131,19 +143,23 @@ def _sample_torch(logits: Tensor, temperature: float, greedy: bool, top_k, top_p
             z = z / temperature
         if truncate:
             z = truncate_logits(z, top_k, top_p)
-        lse = torch.logsumexp(z, dim=-1)  # (n,)
-        p = torch.exp(z - lse[:, None])
-        pz = p.mul_(z.masked_fill(z == float("-inf"), 0.0) if truncate else z)  # no 0 * -inf
-        entropy[s:e] = lse - pz.sum(-1)
-        del p, pz
         if greedy:
             tok = z.argmax(-1)
         else:
             gumbel = torch.rand(z.shape, generator=generator, device=dev)
             gumbel.log_().neg_().log_()  # log E = -G, E = -log U ~ Exp(1)
-            tok = (z - gumbel).argmax(-1)
+            tok = gumbel.neg_().add_(z).argmax(-1)  # z' + G
+            del gumbel
         tokens[s:e] = tok
-        logp[s:e] = z.gather(1, tok[:, None]).squeeze(1) - lse
+        m = z.amax(-1, keepdim=True)  # (n, 1); NaN if the row holds a NaN
+        zc = z - m.masked_fill(m == float("-inf"), 0.0)  # z' - m <= 0 (an all -inf row: -inf)
+        del z
+        lse_c = torch.logsumexp(zc, dim=-1)  # (n,) log s
+        logp[s:e] = zc.gather(1, tok[:, None]).squeeze(1) - lse_c
+        p = torch.exp(zc - lse_c[:, None])
+        zc.clamp_(min=_FLT_LOWEST)  # -inf -> finite: p·zc = 0·finite = 0 (NaN stays NaN)
+        entropy[s:e] = lse_c - p.mul_(zc).sum(-1)
+        del p, zc
     return tokens, logp, entropy
 
 
