@@ -1,6 +1,8 @@
 """fastrl.sample (SPEC 10): the sampled distribution (chi-square), logp / entropy against
 log_softmax, truncation, reproducibility, the Triton kernel under the interpreter, bad input."""
 
+import os
+
 import pytest
 import torch
 
@@ -201,6 +203,32 @@ def test_kernel_reproducible_greedy_and_truncated(triton_backend):
     tokens, logp, _ = fastrl.sample(logits[:, ::2], 1.0, top_k=2)  # strided, truncated
     z = truncate_logits(logits[:, ::2].float(), 2, None)
     torch.testing.assert_close(logp, torch.log_softmax(z, -1).gather(1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, None, None), (0.0, None, None), (0.8, 3, 0.9)]
+)
+def test_nan_row_gives_nan_on_both_backends(monkeypatch, backend, temperature, top_k, top_p):
+    """A row with a NaN logit: logp = entropy = NaN on every backend (never silently dropped),
+    the token some value in [0, V); the other rows are untouched. -inf is not NaN."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    logits = torch.randn(4, 40)
+    logits[0, 17] = float("nan")
+    logits[1, :] = float("nan")
+    logits[2, 3] = float("-inf")
+    g = torch.Generator().manual_seed(0)
+    tokens, logp, entropy = fastrl.sample(logits, temperature, top_k, top_p, generator=g)
+    assert torch.isnan(logp[:2]).all() and torch.isnan(entropy[:2]).all()
+    assert ((tokens >= 0) & (tokens < 40)).all()
+    assert torch.isfinite(logp[2:]).all() and torch.isfinite(entropy[2:]).all()
+    z = logits[2:] / (temperature or 1.0)  # temperature 0: greedy, logp under tau = 1
+    if top_k is not None:
+        z = truncate_logits(z, top_k, top_p)
+    ls = torch.log_softmax(z, -1)
+    torch.testing.assert_close(logp[2:], ls.gather(1, tokens[2:, None])[:, 0])
 
 
 @pytest.mark.gpu
