@@ -19,6 +19,7 @@ from .config import LossConfig
 from .losses import (
     PolicyLossOutput,
     fused_linear_policy_loss,
+    linear_logprobs,
     logprobs,
     policy_loss,
     value_loss,
@@ -34,6 +35,7 @@ __all__ = [
     "fused_linear_policy_loss",
     "gae",
     "group_advantages",
+    "linear_logprobs",
     "logprobs",
     "overlong_penalty",
     "policy_loss",

@@ -23,6 +23,7 @@ from torch import Tensor
 from . import ops
 from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
 from .config import LossConfig
+from .linear import fused_linear_policy_loss, linear_logprobs
 from .reference import PolicyLossOutput, policy_output, policy_terms
 
 try:  # SPEC 8 lives in fastrl/value.py once it exists
@@ -30,9 +31,11 @@ try:  # SPEC 8 lives in fastrl/value.py once it exists
 except ImportError:  # pragma: no cover - until fastrl/value.py lands
     from .reference import value_loss
 
+
 __all__ = [
     "PolicyLossOutput",
     "fused_linear_policy_loss",
+    "linear_logprobs",
     "logprobs",
     "policy_loss",
     "policy_terms",
@@ -194,171 +197,3 @@ def logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, entropy: 
     if flat:
         logp, ent = logp.squeeze(0), ent.squeeze(0)
     return (logp, ent) if entropy else logp
-
-
-# --------------------------------------------------------------------------- fused linear
-def _linear_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Logits of a chunk of rows: hidden (R, H) @ weight (V, H)^T (+ bias (V,)) -> (R, V)."""
-    return torch.nn.functional.linear(hidden, weight, bias)
-
-
-class _FusedLinearPolicyLoss(torch.autograd.Function):
-    """The policy loss of `hidden @ weight.T + bias` without ever holding the (N, V) logits.
-
-    Forward, pass 1: per chunk of rows, the logits chunk and its (logp, H, lse) (the fused row
-    op). Then SPEC 1-5 on the per-token tensors, with autograd on them alone: g = dloss/dlogp and
-    h = dloss/dH. Pass 2 (only when a gradient is needed): per chunk, the logits again, their
-    gradient (SPEC 6) and its products with weight / hidden, accumulated into grad_hidden (N, H),
-    grad_weight (V, H) and grad_bias (V,) (fp32 accumulators). Backward scales those by the
-    loss's upstream gradient. Peak extra memory: a few (chunk, V) tensors."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, x, chunk, side):
-        # hidden (N, H); weight (V, H); bias (V,) or None; x: PolicyInputs with (B, T) tensors
-        N = hidden.shape[0]
-        B, T = x.tokens.shape
-        tau = x.config.temperature
-        tokens = x.tokens.reshape(1, N)
-        stats = [torch.empty(N, dtype=torch.float32, device=hidden.device) for _ in range(3)]
-        for s in range(0, N, chunk):
-            z = _linear_chunk(hidden[s : s + chunk], weight, bias)[None]  # (1, R, V)
-            for buf, val in zip(stats, ops.token_stats(z, tokens[:, s : s + chunk], tau)):
-                buf[s : s + chunk] = val[0]
-            del z
-        logp, entropy, lse = stats
-        with torch.enable_grad():
-            logp_leaf = logp.view(B, T).detach().requires_grad_()
-            ent_leaf = entropy.view(B, T).detach().requires_grad_()
-            loss, kl, metrics = policy_terms(logp_leaf, ent_leaf, x)
-            need = any(ctx.needs_input_grad[:3])
-            g, h = (None, None)
-            if need and loss.requires_grad:
-                g, h = torch.autograd.grad(loss, (logp_leaf, ent_leaf), allow_unused=True)
-        side.update(kl=kl, metrics=metrics)
-        grads = (None, None, None)
-        if need:
-            g = torch.zeros(B, T, device=hidden.device) if g is None else g
-            grads = _fused_linear_grads(
-                hidden, weight, bias, tokens, lse, entropy, g, h, tau, chunk
-            )
-        ctx.save_for_backward(*(t for t in grads if t is not None))
-        ctx.has_grad = tuple(t is not None for t in grads)
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss.detach(), logp.view(B, T), entropy.view(B, T)
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_logp, grad_entropy):
-        # the gradients were computed in the forward: scale them by dL_total / dloss
-        saved = iter(ctx.saved_tensors)
-        grads = [next(saved) * grad_loss if has else None for has in ctx.has_grad]
-        return (*grads, None, None, None)
-
-
-def _fused_linear_grads(hidden, weight, bias, tokens, lse, entropy, g, h, tau, chunk):
-    """Pass 2: grad_hidden (N, H), grad_weight (V, H), grad_bias (V,) from g, h (B, T) per token.
-
-    dL/dz for a chunk comes from the same op as `policy_loss`'s backward (SPEC 6); then
-    grad_hidden = dz @ weight and grad_weight += dz^T @ hidden, grad_bias += sum_rows dz, the
-    last two accumulated in fp32. Returned in the dtypes of hidden / weight / bias."""
-    N = hidden.shape[0]
-    g = g.reshape(1, N).float()
-    h = None if h is None else h.reshape(1, N).float()
-    lse, entropy = lse.view(1, N), entropy.view(1, N)
-    grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    grad_bias = (
-        None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-    )
-    for s in range(0, N, chunk):
-        e = min(N, s + chunk)
-        z = _linear_chunk(hidden[s:e], weight, bias)[None]  # (1, R, V)
-        dz = ops.token_stats_grad(
-            z,
-            tokens[:, s:e],
-            lse[:, s:e],
-            entropy[:, s:e],
-            g[:, s:e],
-            None if h is None else h[:, s:e],
-            tau,
-        )[0]  # (R, V), dtype of the logits
-        del z
-        grad_hidden[s:e] = dz @ weight
-        grad_weight.addmm_(dz.t().float(), hidden[s:e].float())
-        if grad_bias is not None:
-            grad_bias += dz.float().sum(0)
-        del dz
-    return (
-        grad_hidden,
-        grad_weight.to(weight.dtype),
-        None if grad_bias is None else grad_bias.to(bias.dtype),
-    )
-
-
-def fused_linear_policy_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None = None,
-    ref_logp: Tensor | None = None,
-    mask: Tensor | None = None,
-    rollout_logp: Tensor | None = None,
-    config: LossConfig | str | None = None,
-    *,
-    bias: Tensor | None = None,
-    chunk_size: int | None = None,
-    **overrides,
-) -> PolicyLossOutput:
-    """`policy_loss(hidden @ weight.T + bias, ...)` without ever building the (N, V) logits.
-
-    Shapes: hidden (B, T, H) or (N, H) (the last hidden states, the lm_head's input); weight
-    (V, H) (the lm_head's weight); bias (V,) or None; tokens, advantages, old / ref / rollout
-    log-probs, mask and config exactly as in `policy_loss`. The logits are made `chunk_size`
-    rows at a time (default: about 64 MB of fp32 per chunk), twice when a gradient is needed
-    (once for the statistics, once for the gradient, computed in the forward and scaled in the
-    backward). Gradients flow to hidden, weight and bias. `hidden` is flattened to (N, H) with
-    `reshape` (a copy only when its (B, T) dimensions do not flatten, e.g. a sliced view).
-    Returns the same PolicyLossOutput as `policy_loss`."""
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a float tensor, got {type(t).__name__}")
-    if weight.dim() != 2 or hidden.dim() not in (2, 3) or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit: expected "
-            "hidden (B, T, H) or (N, H) and weight (V, H) with the same H"
-        )
-    if weight.device != hidden.device or weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"weight is {weight.dtype} on {weight.device}; expected the hidden states' "
-            f"{hidden.dtype} on {hidden.device}"
-        )
-    V, H = weight.shape
-    if bias is not None and (
-        not isinstance(bias, Tensor)
-        or tuple(bias.shape) != (V,)
-        or bias.dtype != weight.dtype
-        or bias.device != weight.device
-    ):
-        got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
-        raise ValueError(f"bias must be a ({V},) tensor like weight, got {got}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
-    # A zero-stride stand-in for the (.., V) logits: the shared input checks see their shape,
-    # dtype and device, and no memory is used.
-    logits_shape = (*hidden.shape[:-1], V)
-    stand_in = hidden.new_zeros(()).expand(logits_shape)
-    x = prepare_policy_inputs(
-        stand_in, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides
-    )
-    chunk = chunk_size or 2 * ops.chunk_rows(V)
-    side: dict = {}
-    loss, logp, entropy = _FusedLinearPolicyLoss.apply(
-        hidden.reshape(-1, H), weight, bias, x, chunk, side
-    )
-    return PolicyLossOutput(
-        loss=loss,
-        logp=x.unflatten(logp),
-        entropy=x.unflatten(entropy),
-        kl=x.unflatten(side["kl"]),
-        metrics=side["metrics"],
-    )

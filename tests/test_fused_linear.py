@@ -1,69 +1,94 @@
-"""fastrl.fused_linear_policy_loss against the reference on the materialised logits.
+"""fastrl.fused_linear_policy_loss and fastrl.linear_logprobs against the reference on the
+materialised logits z = softcap(s (hidden @ weight.T + bias)), forward and backward.
 
-The reference builds logits = hidden @ weight.T + bias in fp32 and differentiates the eager
-policy loss; the fused linear path never holds more than `chunk_size` rows of logits.
+Both LM-head paths are run on the chunked torch path and on the Triton kernels (interpreter on
+CPU), with tiny shapes. Rows whose mask is 0 are never computed: their logp / entropy are 0 and
+their hidden-state gradient is 0; everything that counts must equal the reference.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 import fastrl
+from fastrl import linear as L
 from fastrl import reference as R
 from fastrl.config import PRESETS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
 
 
-def make(B=3, T=5, H=8, V=37, dtype=torch.float32, seed=0, bias=True):
+def make(B=3, T=5, H=8, V=37, dtype=torch.float32, seed=0, bias=True, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype).requires_grad_()
-    b = (0.1 * torch.randn(V, generator=g)).to(dtype).requires_grad_() if bias else None
-    tokens = torch.randint(0, V, (B, T), generator=g)
-    adv = torch.randn(B, generator=g)
+    hidden = torch.randn(B, T, H, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(device, dtype).requires_grad_()
+    b = (0.1 * torch.randn(V, generator=g)).to(device, dtype).requires_grad_() if bias else None
+    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
+    adv = torch.randn(B, generator=g).to(device)
     with torch.no_grad():
         logits = hidden.float() @ weight.float().T + (0 if b is None else b.float())
         logp = R.token_logprobs(logits, tokens)[0]
-    old = logp + 0.3 * torch.randn(B, T, generator=g)
-    ref = logp + 0.3 * torch.randn(B, T, generator=g)
-    mask = torch.rand(B, T, generator=g) > 0.2
+    old = logp + 0.3 * torch.randn(B, T, generator=g).to(device)
+    ref = logp + 0.3 * torch.randn(B, T, generator=g).to(device)
+    mask = (torch.rand(B, T, generator=g) > 0.2).to(device)
     return hidden, weight, b, tokens, adv, old, ref, mask
 
 
-def compare(batch, dtype=torch.float32, chunk_size=4, **cfg):
-    hidden, weight, b, tokens, adv, old, ref, mask = batch
-    params = [t for t in (hidden, weight, b) if t is not None]
-    out = fastrl.fused_linear_policy_loss(
-        hidden, weight, tokens, adv, old, ref, mask, bias=b, chunk_size=chunk_size, **cfg
-    )
-    grads = torch.autograd.grad(2.0 * out.loss, params)
+def materialise(hidden, weight, b, logit_scale=1.0, softcap=None):
+    """fp32 leaves and the logits the fused paths never build."""
     hf, wf = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
     bf = None if b is None else b.detach().float().requires_grad_()
-    logits = hf @ wf.T + (0 if bf is None else bf)
-    expected = R.policy_loss(logits, tokens, adv, old, ref, mask, **cfg)
-    exp_grads = torch.autograd.grad(2.0 * expected.loss, [t for t in (hf, wf, bf) if t is not None])
+    z = (hf @ wf.T + (0 if bf is None else bf)) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return [t for t in (hf, wf, bf) if t is not None], z
+
+
+def assert_grads(grads, exp_grads, dtype):
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(out.loss.float(), expected.loss, rtol=rtol, atol=atol)
-    torch.testing.assert_close(out.logp, expected.logp, rtol=rtol, atol=atol)
-    torch.testing.assert_close(out.entropy, expected.entropy, rtol=rtol, atol=atol)
-    torch.testing.assert_close(out.kl, expected.kl, rtol=rtol, atol=atol)
-    assert out.metrics.keys() == expected.metrics.keys()
-    for k in out.metrics:
-        torch.testing.assert_close(out.metrics[k], expected.metrics[k], rtol=rtol, atol=atol)
     for got, want in zip(grads, exp_grads):
         assert got.dtype == dtype
         scale = want.abs().max().clamp(min=1e-6)
         torch.testing.assert_close(got.float() / scale, want / scale, rtol=rtol, atol=atol)
 
 
+def compare(batch, dtype=torch.float32, chunk_size=4, logit_scale=1.0, softcap=None, **cfg):
+    hidden, weight, b, tokens, adv, old, ref, mask = batch
+    params = [t for t in (hidden, weight, b) if t is not None]
+    out = fastrl.fused_linear_policy_loss(
+        hidden, weight, tokens, adv, old, ref, mask, bias=b, chunk_size=chunk_size,
+        logit_scale=logit_scale, softcap=softcap, **cfg,
+    )  # fmt: skip
+    grads = torch.autograd.grad(2.0 * out.loss, params)
+    leaves, logits = materialise(hidden, weight, b, logit_scale, softcap)
+    expected = R.policy_loss(logits, tokens, adv, old, ref, mask, **cfg)
+    exp_grads = torch.autograd.grad(2.0 * expected.loss, leaves)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.loss.float(), expected.loss, rtol=rtol, atol=atol)
+    counted = mask.bool()
+    for name in ("logp", "entropy", "kl"):
+        got, want = getattr(out, name), getattr(expected, name)
+        torch.testing.assert_close(got[counted], want[counted], rtol=rtol, atol=atol)
+    assert torch.all(out.logp[~counted] == 0) and torch.all(out.entropy[~counted] == 0)
+    assert out.metrics.keys() == expected.metrics.keys()
+    for k in out.metrics:
+        torch.testing.assert_close(out.metrics[k], expected.metrics[k], rtol=rtol, atol=atol)
+    assert_grads(grads, exp_grads, dtype)
+    assert torch.all(grads[0][~counted] == 0)  # skipped rows: no gradient, no work
+    return out
+
+
+# --------------------------------------------------------------------------- policy loss
 @pytest.mark.parametrize("preset", PRESETS)
 def test_presets_match_reference(preset):
     compare(make(), config=preset, entropy_coef=0.01)
+
+
+def test_presets_triton_kernels(engine):
+    device, backend = engine
+    for preset in ("grpo", "gspo") if backend == "triton" else PRESETS:
+        compare(make(B=2, T=3, V=19, device=device), config=preset, entropy_coef=0.01)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 15, 1000])
@@ -71,52 +96,207 @@ def test_chunk_sizes_and_no_bias(chunk_size):
     compare(make(bias=False), chunk_size=chunk_size, config="dapo", temperature=0.7)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(config="gspo"),  # sequence-level ratio: the two-phase path
+        dict(config="grpo", rollout_is="sequence", rollout_is_mode="mask", rollout_is_cap=1.5),
+        dict(config="grpo", rollout_is="token", rollout_is_cap=1.2),
+        dict(config="dapo", clip_dual=3.0, kl_coef=0.1, kl_estimator="low_var_kl"),
+        dict(policy="sapo", agg="seq-mean-token-sum-norm", max_len=7),
+    ],
+)
+def test_options(options):
+    batch = make()
+    if "rollout_is" in options:
+        options["rollout_logp"] = batch[5] + 0.2 * torch.randn_like(batch[5])
+    compare(batch, **options)
+
+
+@pytest.mark.parametrize("logit_scale, softcap", [(0.5, None), (1.0, 3.0), (2.0, 1.5)])
+def test_logit_scale_and_softcap(engine, logit_scale, softcap):
+    device, _ = engine
+    compare(make(B=2, T=3, V=19, device=device), config="grpo", entropy_coef=0.02,
+            logit_scale=logit_scale, softcap=softcap)  # fmt: skip
+
+
 def test_bf16():
     compare(make(dtype=torch.bfloat16), dtype=torch.bfloat16, config="grpo")
 
 
-def test_flat_inputs():
+def test_flat_inputs_and_strided_view():
     hidden, weight, b, tokens, adv, old, ref, mask = make(B=1, T=9)
     flat = (hidden[0], weight, b, tokens[0], torch.randn(9), old[0], ref[0], mask[0])
     compare(flat, kl_coef=0.04)
+    # a hidden[:, 1:] view (what a trainer slices off the prompt) is read in place
+    full = torch.randn(3, 6, 8).requires_grad_()
+    _, weight, b, tokens, adv, old, ref, mask = make()
+    compare((full[:, 1:], weight, b, tokens, adv, old, ref, mask), config="grpo")
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-def test_triton_kernels_in_the_interpreter(monkeypatch):
-    monkeypatch.setenv("FASTRL_BACKEND", "triton")
-    compare(make(B=2, T=3, V=19), config="grpo", entropy_coef=0.01)
-
-
-def test_no_grad_and_all_masked():
+def test_t_equals_one_and_all_masked():
+    compare(make(T=1), config="grpo")
     hidden, weight, b, tokens, adv, old, ref, mask = make()
-    with torch.no_grad():
-        out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, bias=b)
-    assert out.loss.grad_fn is None and torch.isfinite(out.loss)
     out = fastrl.fused_linear_policy_loss(
-        hidden,
-        weight,
-        tokens,
-        adv,
-        old,
-        mask=torch.zeros_like(mask),
-        bias=b,
-        config="grpo",
-        kl_coef=0.0,
+        hidden, weight, tokens, adv, old, mask=torch.zeros_like(mask), bias=b, config="dapo"
     )
     grads = torch.autograd.grad(out.loss, (hidden, weight, b))
     assert out.loss.item() == 0.0
     assert all(torch.all(g == 0) for g in grads)
 
 
+def test_masked_rows_do_no_gemm_work(monkeypatch):
+    """A 90 %-masked batch gathers and multiplies only the counted rows."""
+    seen = []
+    real = L._logits
+
+    def spy(rows, *args):
+        seen.append(rows.shape[0])
+        return real(rows, *args)
+
+    monkeypatch.setattr(L, "_logits", spy)
+    hidden, weight, b, tokens, adv, old, ref, _ = make(B=4, T=10)
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask[0, :4] = True
+    fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask, bias=b,
+                                    chunk_size=3).loss.backward()  # fmt: skip
+    assert sum(seen) == 4 and max(seen) <= 3  # one GEMM pass over the 4 counted rows, no recompute
+
+
+def test_backward_scale_and_retain_graph():
+    hidden, weight, b, tokens, adv, old, ref, mask = make()
+    out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask, bias=b)
+    (g1,) = torch.autograd.grad(out.loss, hidden, retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        torch.autograd.grad(out.loss, hidden)
+    out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask, bias=b)
+    (g3,) = torch.autograd.grad(-3.0 * out.loss, hidden)
+    torch.testing.assert_close(g3, -3.0 * g1)
+
+
+def test_no_grad():
+    hidden, weight, b, tokens, adv, old, ref, mask = make()
+    with torch.no_grad():
+        out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask, bias=b)
+    _, logits = materialise(hidden, weight, b)
+    expected = R.policy_loss(logits, tokens, adv, old, mask=mask)
+    assert out.loss.grad_fn is None
+    torch.testing.assert_close(out.loss, expected.loss.detach(), rtol=2e-5, atol=2e-5)
+
+
 def test_bad_inputs():
     hidden, weight, b, tokens, adv, *_ = make()
-    with pytest.raises(ValueError, match="weight"):
-        fastrl.fused_linear_policy_loss(hidden, weight[:, :-1], tokens, adv)
-    with pytest.raises(ValueError, match="bias"):
-        fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, bias=b[:-1])
-    with pytest.raises(ValueError, match="weight"):
-        fastrl.fused_linear_policy_loss(hidden, weight.double(), tokens, adv)
-    with pytest.raises(ValueError, match="tokens"):
-        fastrl.fused_linear_policy_loss(hidden, weight, tokens + weight.shape[0], adv)
-    with pytest.raises(ValueError, match="chunk_size"):
-        fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, chunk_size=0)
+    cases = [
+        (dict(weight=weight[:, :-1]), "hidden .* and weight .* do not fit"),
+        (dict(bias=b[:-1]), r"bias must be a \(37,\) tensor"),
+        (dict(weight=weight.double()), "weight must be a float32 / bfloat16 / float16 tensor"),
+        (dict(hidden=hidden.double()), "hidden must be a float32 / bfloat16 / float16 tensor"),
+        (dict(hidden=hidden[..., :0], weight=weight[:, :0]), "H >= 1"),
+        (dict(tokens=tokens + weight.shape[0]), r"tokens must lie in \[0, V\)"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(softcap=0.0), "softcap"),
+        (dict(logit_scale=float("nan")), "logit_scale"),
+    ]
+    for change, match in cases:
+        kwargs = {**dict(hidden=hidden, weight=weight, tokens=tokens, advantages=adv), **change}
+        with pytest.raises(ValueError, match=match):
+            fastrl.fused_linear_policy_loss(**kwargs)
+
+
+# --------------------------------------------------------------------------- linear_logprobs
+def logprobs_case(engine_device, dtype=torch.float32, mask=True, strided=False, **kw):
+    hidden, weight, b, tokens, *_, m = make(B=2, T=4, V=23, dtype=dtype, device=engine_device)
+    if strided:
+        full = torch.randn(2, 6, 8, device=engine_device).to(dtype).requires_grad_()
+        hidden = full[:, 1:-1]
+    m = m if mask else None
+    params = [t for t in (hidden, weight, b) if t is not None]
+    logp, ent = fastrl.linear_logprobs(hidden, weight, tokens, bias=b, entropy=True, mask=m,
+                                       chunk_size=3, **kw)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    up_lp, up_h = (torch.randn(2, 4, generator=g).to(engine_device) for _ in range(2))
+    grads = torch.autograd.grad((logp * up_lp).sum() + (ent * up_h).sum(), params)
+    leaves, logits = materialise(hidden, weight, b, kw.get("logit_scale", 1.0),
+                                 kw.get("softcap"))  # fmt: skip
+    rlogp, rent = R.token_logprobs(logits, tokens, kw.get("temperature", 1.0))
+    keep = torch.ones_like(tokens, dtype=torch.bool) if m is None else m.bool()
+    rlogp, rent = torch.where(keep, rlogp, 0.0), torch.where(keep, rent, 0.0)
+    exp_grads = torch.autograd.grad((rlogp * up_lp).sum() + (rent * up_h).sum(), leaves)
+    rtol, atol = TOL[dtype]
+    assert logp.dtype == torch.float32 and logp.shape == tokens.shape
+    torch.testing.assert_close(logp, rlogp, rtol=rtol, atol=atol)
+    torch.testing.assert_close(ent, rent, rtol=rtol, atol=atol)
+    assert_grads(grads, exp_grads, dtype)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(mask=False),
+        dict(temperature=0.6),
+        dict(softcap=2.0, logit_scale=1.5),
+        dict(strided=True),
+    ],  # fmt: skip
+)
+def test_linear_logprobs_matches_reference(engine, kw):
+    device, _ = engine
+    logprobs_case(device, **kw)
+
+
+def test_linear_logprobs_bf16_gemms_stay_bf16(monkeypatch):
+    seen = []
+    real = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        seen.append((x.dtype, w.dtype))
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    logprobs_case("cpu", dtype=torch.bfloat16)
+    assert seen and all(d == (torch.bfloat16, torch.bfloat16) for d in seen)
+
+
+def test_linear_logprobs_logp_only_and_flat():
+    hidden, weight, b, tokens, *_ = make(B=1, T=6)
+    logp = fastrl.linear_logprobs(hidden[0], weight, tokens[0], bias=b)
+    _, logits = materialise(hidden, weight, b)
+    torch.testing.assert_close(logp, R.token_logprobs(logits[0], tokens[0])[0], rtol=2e-5,
+                               atol=2e-5)  # fmt: skip
+    logp.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None and b.grad is not None
+
+
+def test_linear_logprobs_opcheck_and_compile():
+    hidden, weight, b, tokens, *_ = make(B=2, T=3, V=13)
+    torch.library.opcheck(
+        torch.ops.fastrl.linear_token_stats.default,
+        (hidden, weight, b, tokens, None, 0.9, 1.0, None, 2),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    torch._dynamo.reset()
+
+    def f(hidden, weight, b, tokens):
+        logp, ent = fastrl.linear_logprobs(hidden, weight, tokens, bias=b, entropy=True,
+                                           temperature=0.9, chunk_size=2)  # fmt: skip
+        return (logp + 0.1 * ent).sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss_c = compiled(hidden, weight, b, tokens)
+    gc = torch.autograd.grad(loss_c, (hidden, weight))
+    loss_e = f(hidden, weight, b, tokens)
+    ge = torch.autograd.grad(loss_e, (hidden, weight))
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, e in zip(gc, ge):
+        torch.testing.assert_close(a, e)
+    torch._dynamo.reset()
+
+
+def test_linear_logprobs_bad_inputs():
+    hidden, weight, b, tokens, *_ = make()
+    with pytest.raises(ValueError, match="tokens must have shape"):
+        fastrl.linear_logprobs(hidden, weight, tokens[:, :-1])
+    with pytest.raises(ValueError, match="mask"):
+        fastrl.linear_logprobs(hidden, weight, tokens, mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="temperature"):
+        fastrl.linear_logprobs(hidden, weight, tokens, temperature=0.0)

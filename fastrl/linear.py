@@ -1,0 +1,487 @@
+"""Log-probs and the policy loss straight from the last hidden states and the lm_head weight.
+
+Trainers (TRL, verl, NeMo-RL, ...) compute per-token log-probs from `hidden @ weight.T` without
+holding the (N, V) logits. Here, rows are processed `chunk` at a time:
+
+    a = h W^T (+ b)                (R, V) one GEMM per chunk, in the hidden states' dtype
+    z = s a, or c tanh(s a / c)    logit_scale s, Gemma-style softcap c (exact gradients)
+    z' = z / tau                   then the fused row statistics of fastrl.ops (logp, H)
+
+`linear_logprobs` (the op a trainer's own loss calls) saves only (N,) statistics; its backward
+recomputes each chunk's logits once: dz (SPEC 6 from the upstream g = dL/dlogp, h = dL/dH),
+then dX = dz W and dW += dz^T X (4 GEMMs per chunk in all; the upstream gradient is not known
+in the forward). `fused_linear_policy_loss` knows its per-token gradient in the forward when
+the loss is token-separable (`reference.is_token_separable`): per chunk ONE logits GEMM, the
+statistics and dz in one pass (fastrl.ops.stats_and_grad_), then dX and dW: three GEMMs, no
+recompute. Sequence-level options (GSPO ratio, sequence IS weights) take two phases (statistics
+of every chunk, then the per-token gradient, then the logits again: four GEMMs).
+
+Rows whose mask is 0 (prompt and padding positions) are never gathered: no GEMM work, logp = H
+= 0 there, zero gradient. Finding them reads the mask's count on the host (one sync per call on
+CUDA; the only one). bf16 / fp16 run their GEMMs in that dtype (fp32 accumulation inside the
+GEMM); dW and db are accumulated across chunks in fp32 and cast once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from . import ops
+from ._inputs import FLOAT_DTYPES, check_mask, check_temperature, describe, prepare_policy_inputs
+from .config import LossConfig
+from .reference import PolicyLossOutput, aggregation_weights, is_token_separable, policy_output
+
+__all__ = ["fused_linear_policy_loss", "linear_logprobs"]
+
+
+# --------------------------------------------------------------------------- chunk helpers
+def _active_rows(mask: Tensor | None, N: int, device) -> Tensor:
+    """Flat indices (R,) of the rows that count: all of them, or where mask != 0."""
+    if mask is None:
+        return torch.arange(N, device=device)
+    return torch.nonzero(mask.reshape(-1) != 0).view(-1)
+
+
+def _gather(hidden: Tensor, idx: Tensor) -> Tensor:
+    """Rows `idx` (flat indices) of hidden (B, T, H) or (N, H), any strides, as (R, H)."""
+    if hidden.dim() == 2:
+        return hidden.index_select(0, idx)
+    T = hidden.shape[1]
+    return hidden[idx // T, idx % T]
+
+
+def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap):
+    """z (R, V) in the rows' dtype: s (h W^T + b), then c tanh(. / c) with a softcap."""
+    z = torch.nn.functional.linear(rows, weight, bias)
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _chain_factor(z: Tensor, logit_scale: float, softcap):
+    """dz/da (R, V) fp32 for a softcap (s (1 - (z / c)^2)); else None (the factor is s)."""
+    if softcap is None:
+        return None
+    t = z.float() / softcap  # a new tensor (z.float() is z itself for fp32)
+    return t.mul_(t).neg_().add_(1.0).mul_(logit_scale)
+
+
+def _to_pre_activation(dz: Tensor, factor, logit_scale: float) -> Tensor:
+    """dL/da from dL/dz, in place."""
+    if factor is not None:
+        return dz.mul_(factor)  # fp32 factor: computed in fp32, cast on store
+    if logit_scale != 1.0:
+        dz.mul_(logit_scale)
+    return dz
+
+
+class _Grads:
+    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32."""
+
+    def __init__(self, N: int, weight: Tensor, bias, hidden_dtype):
+        V, H = weight.shape
+        self.hidden = torch.zeros(N, H, dtype=hidden_dtype, device=weight.device)
+        self.weight = torch.zeros(V, H, dtype=torch.float32, device=weight.device)
+        self.bias = (
+            None if bias is None else torch.zeros(V, dtype=torch.float32, device=weight.device)
+        )
+
+    def add(self, idx: Tensor, rows: Tensor, dz: Tensor, weight: Tensor) -> None:
+        """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V) in the GEMM dtype)."""
+        dz = dz.to(rows.dtype)
+        self.hidden.index_copy_(0, idx, dz @ weight)
+        if dz.dtype == torch.float32:
+            self.weight.addmm_(dz.t(), rows)
+        else:  # a bf16 / fp16 GEMM, accumulated across chunks in fp32
+            self.weight.add_(dz.t() @ rows)
+        if self.bias is not None:
+            self.bias.add_(dz.sum(0, dtype=torch.float32))
+
+    def result(self, weight: Tensor, bias):
+        db = None if self.bias is None else self.bias.to(bias.dtype)
+        return self.hidden, self.weight.to(weight.dtype), db
+
+
+def _bias_or_empty(bias, weight):
+    return weight.new_empty(0) if bias is None else bias
+
+
+# --------------------------------------------------------------------------- linear_logprobs ops
+@torch.library.custom_op("fastrl::linear_token_stats", mutates_args=())
+def linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    mask: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for the
+    rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed)."""
+    N = tokens.numel()
+    stats = [torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(3)]
+    y = tokens.reshape(-1)
+    active = _active_rows(mask, N, hidden.device)
+    for s in range(0, active.numel(), chunk):
+        idx = active[s : s + chunk]
+        z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap)
+        out = ops._token_stats_impl(z[None], y.index_select(0, idx)[None], temperature)
+        for buf, val in zip(stats, out):
+            buf.index_copy_(0, idx, val[0])
+        del z
+    return tuple(stats)
+
+
+@linear_token_stats.register_fake
+def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk):
+    N = tokens.numel()
+    return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("fastrl::linear_token_stats_backward", mutates_args=())
+def linear_token_stats_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    mask: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden (N, H), grad_weight (V, H), grad_bias (V,) or (0,)) from g = dL/dlogp and
+    h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X."""
+    N = tokens.numel()
+    y = tokens.reshape(-1)
+    grads = _Grads(N, weight, bias, hidden.dtype)
+    active = _active_rows(mask, N, hidden.device)
+    g_all = grad_logp.reshape(-1).float()
+    h_all = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+    for s in range(0, active.numel(), chunk):
+        idx = active[s : s + chunk]
+        rows = _gather(hidden, idx)
+        z = _logits(rows, weight, bias, logit_scale, softcap)
+        factor = _chain_factor(z, logit_scale, softcap)
+        pick = lambda t, idx=idx: t.index_select(0, idx)[None]  # noqa: E731
+        dz = torch.empty_like(z)[None]
+        ops._grad_into(
+            z[None], pick(y), pick(lse), pick(entropy), pick(g_all),
+            None if h_all is None else pick(h_all), temperature, dz,
+        )  # fmt: skip
+        del z
+        grads.add(idx, rows, _to_pre_activation(dz[0], factor, logit_scale), weight)
+        del dz, factor
+    dh, dw, db = grads.result(weight, bias)
+    return dh, dw, _bias_or_empty(db, weight)
+
+
+@linear_token_stats_backward.register_fake
+def _(hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, temperature,
+      logit_scale, softcap, chunk):  # fmt: skip
+    N, H = tokens.numel(), weight.shape[1]
+    V = weight.shape[0] if bias is not None else 0
+    return hidden.new_empty(N, H), torch.empty_like(weight), weight.new_empty(V)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk = inputs
+    logp, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, tokens, mask, lse, entropy)
+    ctx.args = (temperature, logit_scale, softcap, chunk)
+    ctx.has_bias = bias is not None
+    ctx.hidden_shape = hidden.shape
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logp, grad_entropy, grad_lse):
+    hidden, weight, bias, tokens, mask, lse, entropy = ctx.saved_tensors
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    dh, dw, db = linear_token_stats_backward(
+        hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, *ctx.args
+    )
+    return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
+            None, None)  # fmt: skip
+
+
+linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- the fused policy loss
+@torch.library.custom_op("fastrl::linear_policy_grad", mutates_args=())
+def linear_policy_grad(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    rollout_logp: Tensor | None,
+    mask: Tensor,
+    num_tokens: Tensor | None,
+    num_seqs: Tensor | None,
+    config: str,
+    logit_scale: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy) fp32 (B, T) and the gradients (hidden (N, H), weight, bias or (0,)) of
+    the policy loss of SPEC 1-5 on z = softcap(s (hidden W^T + b)), all in the forward.
+    tokens and the per-token inputs are (B, T); hidden's rows flatten to N = B T."""
+    x = ops._policy_inputs(None, tokens, advantages, old_logp, ref_logp, rollout_logp, mask,
+                           num_tokens, num_seqs, config)  # fmt: skip
+    tau = x.config.temperature
+    B, T = tokens.shape
+    N = B * T
+    flat = _flat_inputs(x)
+    logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(2))
+    grads = _Grads(N, weight, bias, hidden.dtype)
+    active = _active_rows(mask, N, hidden.device)
+    chunks = [active[s : s + chunk] for s in range(0, active.numel(), chunk)]
+    if is_token_separable(x.config):
+        with ops._autograd_enabled():  # we run inside a custom op: below autograd
+            weights = aggregation_weights(x).reshape(1, N)
+        for idx in chunks:  # three GEMMs per chunk
+            rows = _gather(hidden, idx)
+            z = _logits(rows, weight, bias, logit_scale, softcap)
+            factor = _chain_factor(z, logit_scale, softcap)
+            x_rows = _select(flat, idx)
+            w_rows = weights.index_select(1, idx)
+            lp, ent = ops.stats_and_grad_(
+                z[None], x_rows.tokens, tau,
+                lambda lp, ent, xr=x_rows, wr=w_rows: ops.token_grads(lp, ent, xr, wr), z[None],
+            )  # fmt: skip
+            logp.index_copy_(0, idx, lp[0])
+            entropy.index_copy_(0, idx, ent[0])
+            grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
+            del z, factor
+    else:  # sequence-level options: statistics of every row first (four GEMMs per chunk)
+        lse = torch.zeros(N, dtype=torch.float32, device=hidden.device)
+        y = tokens.reshape(-1)
+        for idx in chunks:
+            z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap)
+            for buf, val in zip((logp, entropy, lse), ops._token_stats_impl(
+                    z[None], y.index_select(0, idx)[None], tau)):  # fmt: skip
+                buf.index_copy_(0, idx, val[0])
+            del z
+        g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
+        dh, dw, db = linear_token_stats_backward(
+            hidden, weight, bias, tokens, mask, lse, entropy, g.reshape(-1),
+            None if h is None else h.reshape(-1), tau, logit_scale, softcap, chunk,
+        )  # fmt: skip
+        return logp.view(B, T), entropy.view(B, T), dh, dw, db
+    dh, dw, db = grads.result(weight, bias)
+    return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
+
+
+@linear_policy_grad.register_fake
+def _(hidden, weight, bias, tokens, advantages, old_logp, ref_logp, rollout_logp, mask,
+      num_tokens, num_seqs, config, logit_scale, softcap, chunk):  # fmt: skip
+    B, T = tokens.shape
+    V = weight.shape[0] if bias is not None else 0
+    stats = [hidden.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
+    return (*stats, hidden.new_empty(B * T, weight.shape[1]), torch.empty_like(weight),
+            weight.new_empty(V))  # fmt: skip
+
+
+def _flat_inputs(x):
+    """PolicyInputs with every (B, T) tensor as (1, N) (a token-separable loss: rows are
+    independent)."""
+    N = x.tokens.numel()
+    flat = lambda t: None if t is None else t.reshape(1, N)  # noqa: E731
+    return dataclasses.replace(
+        x, tokens=flat(x.tokens), advantages=flat(x.advantages), old_logp=flat(x.old_logp),
+        ref_logp=flat(x.ref_logp), rollout_logp=flat(x.rollout_logp), mask=flat(x.mask),
+    )  # fmt: skip
+
+
+def _select(x, idx: Tensor):
+    """The (1, R) rows `idx` of flat PolicyInputs."""
+    pick = lambda t: None if t is None else t.index_select(1, idx)  # noqa: E731
+    return dataclasses.replace(
+        x, tokens=pick(x.tokens), advantages=pick(x.advantages), old_logp=pick(x.old_logp),
+        ref_logp=pick(x.ref_logp), rollout_logp=pick(x.rollout_logp), mask=pick(x.mask),
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- public functions
+def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
+    """Validate the LM-head arguments; returns (V, H)."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, Tensor) or t.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{name} must be a float32 / bfloat16 / float16 tensor, got {describe(t)}"
+            )
+    if weight.dim() != 2 or hidden.dim() not in (2, 3) or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit: expected "
+            "hidden (B, T, H) or (N, H) and weight (V, H) with the same H"
+        )
+    V, H = weight.shape
+    if H < 1 or V < 1:
+        raise ValueError(f"weight must be (V, H) with V >= 1 and H >= 1, got {tuple(weight.shape)}")
+    if weight.device != hidden.device or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"weight is {weight.dtype} on {weight.device}; expected the hidden states' "
+            f"{hidden.dtype} on {hidden.device}"
+        )
+    if bias is not None and (
+        not isinstance(bias, Tensor)
+        or tuple(bias.shape) != (V,)
+        or bias.dtype != weight.dtype
+        or bias.device != weight.device
+    ):
+        raise ValueError(f"bias must be a ({V},) tensor like weight, got {describe(bias)}")
+    if (
+        isinstance(logit_scale, bool)
+        or not isinstance(logit_scale, (int, float))
+        or not (math.isfinite(logit_scale) and logit_scale > 0)
+    ):
+        raise ValueError(f"logit_scale must be a finite float > 0, got {logit_scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not (math.isfinite(softcap) and softcap > 0)
+    ):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+    return V, H
+
+
+def default_chunk(V: int) -> int:
+    """Rows per chunk of the LM-head paths: about 64 MB of fp32 logits (a few such
+    temporaries exist at once)."""
+    return 2 * ops.chunk_rows(V)
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    mask: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+):
+    """Per-token log-probs (and entropies) of `tokens` under the LM head, never holding (N, V).
+
+    hidden (B, T, H) or (N, H), fp32 / bf16 / fp16, any strides (a `hidden[:, P-1:-1]` view is
+    not copied: rows are gathered chunk by chunk); weight (V, H) (and bias (V,)) in the same
+    dtype; tokens (B, T) / (N,) int64 / int32 in [0, V); mask like tokens (bool, 0/1 integer or
+    float): rows with mask == 0 are skipped (no GEMM work; logp = H = 0 there, zero gradient).
+
+    Math: z = softcap(s (h W^T + b)) with s = logit_scale and softcap(a) = c tanh(a / c) when
+    `softcap` = c is set (Gemma), z' = z / temperature, logp_t = z'_y - logsumexp(z'),
+    H_t = -sum_j p_j log p_j. Returns fp32 logp shaped like tokens, or (logp, H) with
+    `entropy=True`; both differentiable w.r.t. hidden, weight and bias (the exact entropy
+    gradient of SPEC 6), through torch.library custom ops (torch.compile traces them).
+    Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V)` rows)."""
+    V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
+    temperature = check_temperature(temperature)
+    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must be an int64 / int32 tensor, got {describe(tokens)}")
+    if tuple(tokens.shape) != tuple(hidden.shape[:-1]) or tokens.device != hidden.device:
+        raise ValueError(
+            f"tokens must have shape {tuple(hidden.shape[:-1])} (hidden without H) on "
+            f"{hidden.device}, got {describe(tokens)}"
+        )
+    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"tokens must lie in [0, V) = [0, {V}), got values in [{lo}, {hi}]")
+    if mask is not None:
+        mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device, as_float=False)
+    logp, ent, _ = linear_token_stats(
+        hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
+        None if softcap is None else float(softcap), chunk_size or default_chunk(V),
+    )  # fmt: skip
+    logp, ent = logp.view(tokens.shape), ent.view(tokens.shape)
+    return (logp, ent) if entropy else logp
+
+
+def fused_linear_policy_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    config: LossConfig | str | None = None,
+    *,
+    bias: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    **overrides,
+) -> PolicyLossOutput:
+    """`policy_loss(softcap(s (hidden @ weight.T + bias)), ...)` without the (N, V) logits.
+
+    Shapes: hidden (B, T, H) or (N, H) (the lm_head's input, any strides); weight (V, H);
+    bias (V,) or None; tokens, advantages, old / ref / rollout log-probs, mask and config exactly
+    as in `policy_loss`; logit_scale / softcap as in `linear_logprobs`. Rows with mask == 0 do no
+    GEMM work (their logp / entropy are reported as 0). With a token-separable config the
+    gradient is computed in the forward: per chunk of rows one logits GEMM, the loss statistics
+    and dL/dz in one pass, then dX = dz W and dW += dz^T X (three GEMMs, no recompute); the
+    backward scales those gradients by the upstream gradient (no pass when it is 1).
+    Sequence-level options (GSPO ratio, sequence IS weights) take two phases (four GEMMs).
+    Returns the same PolicyLossOutput as `policy_loss` (loss differentiable w.r.t. hidden,
+    weight and bias)."""
+    V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
+    # A zero-stride stand-in for the (.., V) logits: the shared input checks see their shape,
+    # dtype and device, and no memory is used.
+    stand_in = hidden.new_zeros(()).expand((*hidden.shape[:-1], V))
+    check_range = False if torch.compiler.is_compiling() else None
+    x = prepare_policy_inputs(
+        stand_in, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
+        check_range=check_range,
+    )  # fmt: skip
+    counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
+    args = (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts)
+    key = ops.config_key(x.config)
+    scale, cap = float(logit_scale), None if softcap is None else float(softcap)
+    chunk = chunk_size or default_chunk(V)
+    params = [t for t in (hidden, weight, bias) if t is not None]
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    if wants_grad:
+        logp, entropy, dh, dw, db = linear_policy_grad(
+            hidden.detach(), weight.detach(), None if bias is None else bias.detach(), *args,
+            key, scale, cap, chunk,
+        )  # fmt: skip
+    else:
+        flat_tokens = x.tokens.reshape(-1)
+        logp, entropy, _ = linear_token_stats(
+            hidden, weight, bias, flat_tokens, x.mask.reshape(-1), x.config.temperature, scale,
+            cap, chunk,
+        )  # fmt: skip
+        logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
+    with torch.no_grad():
+        out = policy_output(logp, entropy, x)
+    if wants_grad:
+        grads = [dh.view(hidden.shape), dw] + ([] if bias is None else [db])
+        pairs = [(p, gr) for p, gr in zip(params, grads) if p.requires_grad]
+        out.loss = ops.attach_grads(out.loss, [p for p, _ in pairs], [gr for _, gr in pairs])
+    return out
