@@ -80,13 +80,17 @@ def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True) -> Te
     w = torch.where(counted, mask, 0.0).double()  # weights; NaN masks are refused on CPU
     xd = x.double()
     count = w.sum()
-    mean = torch.where(counted, w * xd, 0.0).sum() / torch.where(count > 0, count, 1.0)
-    centered = torch.where(counted, xd - mean, 0.0)
-    s = centered.abs().amax()  # the scale of the counted, centred values
-    scaled = centered / torch.where(s > 0, s, 1.0)  # |scaled| <= 1: its square cannot overflow
+    x_counted = torch.where(counted, xd, 0.0)  # masked entries never reach the statistics
+    mean = (x_counted * w).sum() / torch.where(count > 0, count, 1.0)
+    centered = torch.where(counted, x_counted - mean, 0.0)
     dof = torch.where(count > 1, count - 1, torch.where(count > 0, count, 1.0))
-    var_unit = (w * scaled.square()).sum() / dof  # var / s²
-    out = (xd - mean) / _sqrt_var_plus_eps(var_unit, s, WHITEN_EPS)
+    if x.dtype == torch.float64:  # squares of float64 values can overflow: scale them first
+        s = centered.abs().amax()  # the scale of the counted, centred values
+        centered = centered / torch.where(s > 0, s, 1.0)  # |.| <= 1
+        std = _sqrt_var_plus_eps((centered.square_() * w).sum() / dof, s, WHITEN_EPS)
+    else:  # fp32 / bf16 / fp16 values squared cannot overflow nor underflow in float64
+        std = torch.sqrt((centered.square_() * w).sum() / dof + WHITEN_EPS)
+    out = (xd - mean).div_(std)
     if not shift_mean:
         out = out + mean
     return torch.where(count > 0, out, 0.0).float()
@@ -150,8 +154,10 @@ def _gae_torch(
          A_j = Σ_{i <= J} c^i δ_{j+i} with c^J < 1e-18 (a few shifted adds);
       3. gather back: A_t = A_compact[b, #counted before t].
     The scan runs in float64 and L is chosen so that c^-L <= 1e4 (cancellation error ~1e-12 of
-    the block's |δ|). Chunks keep the temporaries small. Uncounted tokens go to a shadow copy that
-    is never read, so a NaN there reaches neither A nor the whitening. No host sync.
+    the block's |δ|). Chunks keep the temporaries small; the whitening statistics are collected
+    per chunk in float64 (count, mean and Σ (A - mean)² over the compact rows, merged across
+    chunks with Chan's formula). Uncounted tokens go to a shadow copy that is never read, so a
+    NaN there reaches neither A nor the whitening. No host sync.
     Returns (advantages, returns) fp32 (B, T): advantages whitened over counted tokens (`whiten`,
     SPEC 7) when `whiten`, returns = unwhitened A + V."""
     B, T = rewards.shape
@@ -173,6 +179,10 @@ def _gae_torch(
     J = math.ceil(math.log(1e-18) / math.log(c)) if 0 < c < 0.2 else 0
     out = torch.empty(B, T, dtype=torch.float32, device=dev)
     returns = torch.empty(B, T, dtype=torch.float32, device=dev)
+    count = torch.zeros((), dtype=torch.float64, device=dev)
+    mean = torch.zeros((), dtype=torch.float64, device=dev)
+    m2 = torch.zeros((), dtype=torch.float64, device=dev)
+    slots = torch.arange(W, device=dev)
     for s in range(0, B, rows_per_chunk):
         e = min(B, s + rows_per_chunk)
         n = e - s
@@ -203,8 +213,24 @@ def _gae_torch(
         # 3. gather back (the zero sentinel when no counted token is left in the row)
         a = torch.take(adv.view(-1).float(), idx, out=out[s:e])
         torch.add(a, v, out=returns[s:e])
-    if whiten:  # SPEC 7, over the counted tokens (scale-safe, float64 statistics)
-        out = _whiten(out, mask)
+        if whiten:
+            # this chunk's count / mean / M2 over counted tokens, from the compact rows (entry j
+            # of row b is counted token j), merged into the running total (Chan et al.). M2 is
+            # summed from centred values: no Σa² - n·mean² cancellation at large offsets.
+            per_row = mc.sum(1, dtype=torch.float64)  # (n,)
+            n_c = per_row.sum()
+            mean_c = adv.sum() / n_c.clamp(min=1)  # the compact rows are 0 past their tokens
+            centred = torch.where(slots < per_row[:, None], adv.view(n, W) - mean_c, 0.0)
+            m2_c = torch.dot(centred.view(-1), centred.view(-1))
+            total = count + n_c
+            d = mean_c - mean
+            mean = mean + d * n_c / total.clamp(min=1)
+            m2 = m2 + m2_c + d.square() * count * n_c / total.clamp(min=1)
+            count = total
+    if whiten:  # SPEC 7: (A - mean) / sqrt(var + 1e-8), var unbiased; nothing counted: zeros
+        var = m2 / torch.where(count > 1, count - 1, count.clamp(min=1))
+        inv_std = torch.where(count > 0, torch.rsqrt(var + WHITEN_EPS), 0.0)
+        out.sub_(mean.float()).mul_(inv_std.float())
     return out, returns
 
 
