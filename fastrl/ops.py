@@ -326,8 +326,8 @@ def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tens
         y_ok = (y >= 0) & (y < V)
         u_y = u.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
         s = e.sum(-1)  # (R,)
-        u.clamp_(min=torch.finfo(torch.float32).min)  # -inf logits: e = 0 and e * u must be 0
-        sum_eu = torch.bmm(e[:, None, :], u[:, :, None]).view(-1)  # sum_j e_j u_j, no temporary
+        # sum_j e_j u_j, in u's memory; -inf logits: e = 0 and e * u must be 0, not NaN
+        sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
         del u
         ls = torch.log(s)
         logp[r0:r1] = torch.where(y_ok, u_y - ls, float("nan"))
