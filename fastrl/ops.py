@@ -78,32 +78,11 @@ def _scaled(rows: Tensor, temperature: float) -> Tensor:
 
 
 def _torch_token_stats(logits: Tensor, tokens: Tensor, temperature: float):
-    """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time.
-
-    Same formulas as the reference: z' = z / tau, lse = logsumexp(z'), logp = z'_y - lse,
-    H = lse - sum_j p_j z'_j. Out-of-range tokens give logp = NaN (no device-side assert)."""
-    B, T, V = logits.shape
-    out = [torch.empty(B * T, dtype=torch.float32, device=logits.device) for _ in range(3)]
-    y_all = tokens.reshape(-1).long()
-    step = chunk_rows(V)
-    for r0 in range(0, B * T, step):
-        r1 = min(B * T, r0 + step)
-        z = _scaled(_rows(logits, r0, r1), temperature)  # (R, V) fp32
-        lse = torch.logsumexp(z, dim=-1)  # (R,)
-        # a +inf logit makes the row's lse (so logp and H) NaN, as in the Triton kernel
-        lse = torch.where(lse == float("inf"), float("nan"), lse)
-        y = y_all[r0:r1]
-        y_ok = (y >= 0) & (y < V)
-        z_y = z.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
-        out[0][r0:r1] = torch.where(y_ok, z_y - lse, float("nan"))
-        p = torch.sub(z, lse[:, None]).exp_()  # (R, V) fp32
-        # p * z' := 0 where p = 0 and z' = -inf (a masked vocabulary entry: lim p log p = 0);
-        # NaN / +inf logits already made lse non-finite
-        p.mul_(z).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-        out[1][r0:r1] = lse - p.sum(-1)
-        out[2][r0:r1] = lse
-        del z, p
-    return out[0].view(B, T), out[1].view(B, T), out[2].view(B, T)
+    """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
+    (one exp per logit; H from max-shifted values). Out-of-range tokens give logp = NaN (no
+    device-side assert); a NaN or +inf logit makes its row's logp, H and lse NaN."""
+    logp, entropy, _, lse = _torch_stats_e(logits, tokens, temperature, None)
+    return logp, entropy, lse
 
 
 def _torch_token_stats_grad(logits, tokens, lse, entropy, g, h, temperature, out):
@@ -300,24 +279,29 @@ def token_logprobs(
 # overwritten by its exact fp32 value (tau^-1 [g (1 - p_y) - h p_y (logp_y + H)]), so a buffer in
 # bf16 / fp16 never loses g (1 - p_y) to cancellation. The Triton path runs its stats kernel,
 # the same O(N) autograd and its gradient kernel (two reads of the logits).
-def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor):
-    """Pass 1 of the one-exp path: e = exp(z' - m) into `out` (B, T, V); returns fp32 (B, T)
-    logp = u_y - log s, H = log s - sum e u / s (u = z' - m: no cancellation at large offsets or
-    low temperature) and log s. `out` may be the logits' own storage (each chunk is read before
-    it is written)."""
+def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):
+    """Row statistics with one exp per logit, and pass 1 of the one-exp gradient path.
+
+    Returns fp32 (B, T) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, e = exp(u),
+    s = sum e: no cancellation at large offsets or low temperature), log s and lse = m + log s.
+    With `out` (B, T, V), e is also written there (`out` may be the logits' own storage: each
+    chunk is read before it is written)."""
     B, T, V = logits.shape
     N = B * T
-    logp, entropy, log_s = (
-        torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(3)
+    logp, entropy, log_s, lse = (
+        torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)
     )
     y_all = tokens.reshape(-1).long()
     step = chunk_rows(V)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
         z = _scaled(_rows(logits, r0, r1), temperature)  # (R, V) fp32, maybe the logits
-        u = z - z.amax(-1, keepdim=True)  # (R, V): z' - m <= 0 (NaN for a NaN / +inf row)
+        m = z.amax(-1, keepdim=True)  # (R, 1)
+        u = z - m  # (R, V): z' - m <= 0 (NaN for a NaN / +inf row)
         del z
-        dst = _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
+        dst = None
+        if out is not None and (out.stride(0) == T * out.stride(1) or B == 1):
+            dst = _rows(out, r0, r1)
         if dst is not None and dst.dtype == torch.float32:
             e = torch.exp(u, out=dst)
         else:
@@ -333,13 +317,16 @@ def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tens
         logp[r0:r1] = torch.where(y_ok, u_y - ls, float("nan"))
         entropy[r0:r1] = ls - sum_eu / s
         log_s[r0:r1] = ls
-        if dst is None:
+        lse[r0:r1] = m.view(-1) + ls
+        if out is None:
+            pass
+        elif dst is None:
             idx = torch.arange(r0, r1, device=out.device)
             out[idx // T, idx % T] = e.to(out.dtype)
         elif e.data_ptr() != dst.data_ptr():
             dst.copy_(e)
         del e
-    return logp.view(B, T), entropy.view(B, T), log_s.view(B, T)
+    return logp.view(B, T), entropy.view(B, T), log_s.view(B, T), lse.view(B, T)
 
 
 def _torch_finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
@@ -441,7 +428,7 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature: float, grad_fn,
         g, h = grad_fn(logp, entropy)
         token_stats_bwd(logits, tokens, lse, entropy, g, h, temperature, out)
         return logp, entropy
-    logp, entropy, log_s = _torch_stats_e(logits, tokens, temperature, out)
+    logp, entropy, log_s, _ = _torch_stats_e(logits, tokens, temperature, out)
     g, h = grad_fn(logp, entropy)
     _torch_finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
     return logp, entropy

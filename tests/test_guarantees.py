@@ -1,0 +1,252 @@
+"""Nothing silently wrong (issue 10, the loss side): one test per class of silent failure.
+
+Each test feeds what a hostile or careless caller would and checks for a clear error, a NaN, or
+the right number — never a finite wrong answer. The float64 property test at the end sweeps
+large logit offsets, extreme temperatures and masked non-finite entries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastrl
+from fastrl import reference as R
+
+
+def batch(B=2, T=4, V=11, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (2 * torch.randn(B, T, V, generator=g)).to(device)
+    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
+    logp = R.token_logprobs(logits, tokens)[0]
+    return dict(
+        logits=logits,
+        tokens=tokens,
+        advantages=torch.randn(B, generator=g).to(device),
+        old_logp=logp + 0.2 * torch.randn(B, T, generator=g).to(device),
+        ref_logp=logp + 0.2 * torch.randn(B, T, generator=g).to(device),
+        mask=(torch.rand(B, T, generator=g) > 0.25).to(device),
+    )
+
+
+def grad_of(fn, logits, **kw):
+    x = logits.detach().clone().requires_grad_()
+    out = fn(x * 1.0, **kw)  # a non-leaf, like an lm_head output
+    out.loss.backward()
+    return out, x.grad
+
+
+# ---------------------------------------------------------------------- 1. constants of the loss
+def test_inputs_that_require_grad_are_constants(engine):
+    device, _ = engine
+    b = batch(device=device)
+    cfg = fastrl.LossConfig.grpo(entropy_coef=0.01)
+    logits = b.pop("logits")
+    _, want = grad_of(fastrl.policy_loss, logits, **b, config=cfg)
+    live = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in b.items()}
+    out, got = grad_of(fastrl.policy_loss, logits, **live, config=cfg)
+    torch.testing.assert_close(got, want)
+    for k in ("advantages", "old_logp", "ref_logp"):
+        assert live[k].grad is None, k
+    # old_logp computed with grad enabled (outside no_grad), as a careless trainer would
+    x = logits.clone().requires_grad_()
+    old = fastrl.logprobs(x * 1.0, b["tokens"])
+    assert old.requires_grad
+    out = fastrl.policy_loss(x * 1.0, b["tokens"], b["advantages"], old, config="dapo")
+    out.loss.backward()
+    ref = R.policy_loss(logits.clone().requires_grad_(), b["tokens"], b["advantages"],
+                        old.detach(), config="dapo")  # fmt: skip
+    torch.testing.assert_close(out.loss, ref.loss.detach())
+    assert x.grad.abs().sum() > 0  # an on-policy gradient, not silently zero
+
+
+# ---------------------------------------------------------------------- 2. entropy precision
+def _f64_entropy(z: torch.Tensor, tau: float) -> torch.Tensor:
+    z = z.double() / tau
+    p = torch.softmax(z, -1)
+    return -(p * torch.log_softmax(z, -1)).nan_to_num().sum(-1)
+
+
+@pytest.mark.parametrize(
+    "z, tau",
+    [
+        (torch.tensor([[6e4, 6e4, -6e4, 0.0]], dtype=torch.float16), 1.0),
+        (torch.linspace(-4, 4, 64)[None] + 1000.0, 1.0),
+        (torch.linspace(-2, 2, 64)[None], 0.1),
+        # dyadic logits and temperature: z / tau is exact in fp32, so only cancellation shows
+        (torch.arange(-128, 128)[None] / 64.0 - 5000.0, 0.0625),
+    ],
+)
+def test_entropy_at_large_offsets_and_low_temperature(engine, z, tau):
+    device, _ = engine
+    z = z.to(device)
+    tokens = torch.zeros(z.shape[0], dtype=torch.long, device=device)
+    _, ent = fastrl.logprobs(z, tokens, temperature=tau, entropy=True)
+    want = _f64_entropy(z.cpu(), tau).float()
+    torch.testing.assert_close(ent.cpu(), want, rtol=1e-4, atol=2e-5)
+    out = fastrl.policy_loss(z[None].float().requires_grad_() * 1.0, tokens[None],
+                             torch.ones(1, device=device), temperature=tau)  # fmt: skip
+    torch.testing.assert_close(out.entropy.cpu()[0], want, rtol=1e-4, atol=2e-5)
+
+
+# ---------------------------------------------------------------------- 3. inplace misuse
+def test_inplace_refuses_storage_it_must_not_overwrite():
+    b = batch()
+    logits = b.pop("logits")
+    leaf = logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="leaf"):
+        fastrl.policy_loss(leaf, **b, inplace=True)
+    wide = torch.randn(2, 5, 11, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf"):
+        fastrl.policy_loss(wide[:, :-1], **b, inplace=True)  # a view of a leaf
+    base = torch.randn(1, 4, 11, requires_grad=True)
+    expanded = (base * 1.0).expand(2, 4, 11)
+    with pytest.raises(ValueError, match="expanded"):
+        fastrl.policy_loss(expanded, **b, inplace=True)
+    # the supported case equals the out-of-place gradient
+    x1 = logits.clone().requires_grad_()
+    fastrl.policy_loss(x1 * 1.0, **b, config="grpo", inplace=True).loss.backward()
+    x2 = logits.clone().requires_grad_()
+    fastrl.policy_loss(x2 * 1.0, **b, config="grpo").loss.backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+def test_inplace_then_reading_the_logits_is_caught_by_autograd():
+    b = batch()
+    x = b.pop("logits").clone().requires_grad_()
+    z = x * 1.0
+    other = z**2  # pow saves z for its backward
+    out = fastrl.policy_loss(z, **b, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss + other.sum()).backward()
+
+
+# ---------------------------------------------------------------------- 4. counts and masks
+@pytest.mark.parametrize("bad", [0.0, -6.0, float("nan"), float("inf")])
+def test_tensor_counts_never_give_a_finite_wrong_loss(bad):
+    b = batch()
+    for key, agg in (("num_tokens", "token-mean"), ("num_seqs", "seq-mean-token-mean")):
+        out = fastrl.policy_loss(**b, agg=agg, **{key: torch.tensor(bad)})
+        ref = R.policy_loss(**b, agg=agg, **{key: torch.tensor(bad)})
+        assert not torch.isfinite(out.loss) or bad == float("inf") and out.loss == 0, (key, bad)
+        assert torch.equal(torch.isnan(out.loss), torch.isnan(ref.loss))
+        with pytest.raises(ValueError, match=key):
+            fastrl.policy_loss(**b, agg=agg, **{key: bad})
+
+
+def test_masks_with_negative_or_nan_weights_raise():
+    b = batch()
+    for bad in (-b["mask"].float(), torch.full(b["mask"].shape, float("nan"))):
+        with pytest.raises(ValueError, match="mask"):
+            fastrl.policy_loss(**{**b, "mask": bad})
+    ints = b["mask"].long()  # TRL's int64 completion_mask
+    torch.testing.assert_close(
+        fastrl.policy_loss(**{**b, "mask": ints}).loss, fastrl.policy_loss(**b).loss
+    )
+
+
+# ---------------------------------------------------------------------- 6. masked NaN
+@pytest.mark.parametrize("preset", ["grpo", "gspo", "dapo"])
+def test_masked_nan_never_reaches_loss_or_gradient(engine, preset):
+    device, _ = engine
+    b = batch(B=3, device=device)
+    b["mask"][1] = False  # a fully masked sequence with garbage everywhere
+    dirty = dict(b)
+    dirty["advantages"] = b["advantages"].clone()
+    dirty["advantages"][1] = float("nan")
+    for k in ("old_logp", "ref_logp"):
+        dirty[k] = b[k].clone()
+        dirty[k][1] = float("nan")
+        dirty[k][0, ~b["mask"][0]] = float("inf")
+    logits = b.pop("logits")
+    dirty.pop("logits")
+    out, got = grad_of(fastrl.policy_loss, logits, **dirty, config=preset)
+    want_out, want = grad_of(fastrl.policy_loss, logits, **b, config=preset)
+    assert torch.isfinite(out.loss) and torch.isfinite(got).all()
+    torch.testing.assert_close(out.loss, want_out.loss)
+    torch.testing.assert_close(got, want)
+    for k, v in out.metrics.items():
+        assert torch.isfinite(v), k
+
+
+# ---------------------------------------------------------------------- 7. clear errors
+def test_fused_linear_errors_and_compile():
+    hidden = torch.randn(2, 3, 8, requires_grad=True)
+    weight = torch.randn(13, 8, requires_grad=True)
+    tokens, adv = torch.randint(0, 13, (2, 3)), torch.randn(2)
+    with pytest.raises(ValueError, match="hidden must be a float32"):
+        fastrl.fused_linear_policy_loss(hidden.double(), weight.double(), tokens, adv)
+    with pytest.raises(ValueError, match="num_tokens .*meta"):
+        fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv,
+                                        num_tokens=torch.ones((), device="meta"))  # fmt: skip
+    torch._dynamo.reset()
+
+    def step(hidden, weight, tokens, adv):
+        return fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, config="dapo").loss
+
+    loss_c = torch.compile(step, fullgraph=True)(hidden, weight, tokens, adv)
+    (gc,) = torch.autograd.grad(loss_c, hidden)
+    loss_e = step(hidden, weight, tokens, adv)
+    (ge,) = torch.autograd.grad(loss_e, hidden)
+    torch.testing.assert_close(loss_c, loss_e)
+    torch.testing.assert_close(gc, ge)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- property test
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(
+    offset=st.sampled_from([0.0, 50.0, -300.0, 1000.0]),
+    scale=st.sampled_from([0.5, 3.0, 30.0]),
+    tau=st.sampled_from([0.05, 0.3, 1.0, 4.0]),
+    preset=st.sampled_from(["grpo", "dapo", "gspo", "cispo"]),
+    poison=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_never_finite_and_wrong(offset, scale, tau, preset, poison, seed):
+    """The fused loss / logp / entropy / gradient are NaN or within tolerance of float64."""
+    b = batch(B=2, T=3, V=9, seed=seed)
+    logits = b.pop("logits") * scale + offset
+    if poison:  # non-finite inputs where the mask excludes them
+        b["mask"][0, 0] = False
+        b["advantages"] = b["advantages"].clone()
+        b["old_logp"][0, 0] = float("nan")
+        b["ref_logp"][0, 0] = float("-inf")
+    x = logits.clone().requires_grad_()
+    cfg = dict(config=preset, temperature=tau, entropy_coef=0.01)
+    out = fastrl.policy_loss(x * 1.0, **b, **cfg)
+    out.loss.backward()
+    x64 = logits.double().requires_grad_()
+    b64 = {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
+    # float64 oracle: the reference's per-token math on float64 log-probs
+    z = x64 / tau
+    lp64 = torch.log_softmax(z, -1).gather(-1, b["tokens"][..., None]).squeeze(-1)
+    p64 = torch.softmax(z, -1)
+    ent64 = -(p64 * torch.log_softmax(z, -1)).sum(-1)
+    xin = R.prepare_policy_inputs(logits, b64["tokens"], b64["advantages"], b64["old_logp"],
+                                  b64["ref_logp"], b64["mask"], None, preset,
+                                  {"temperature": tau, "entropy_coef": 0.01})  # fmt: skip
+    xin.advantages, xin.old_logp, xin.ref_logp = (
+        None if t is None else t.double() for t in (xin.advantages, xin.old_logp, xin.ref_logp)
+    )
+    xin.mask = xin.mask.double()
+    loss64, _, _ = R.policy_terms(lp64, ent64, xin)
+    loss64.backward()
+    counted = b["mask"].bool()
+    # fp32 rounding of z' = z / tau is the dtype's own error: it scales with max |z'|
+    zmax = float((logits / tau).abs().max())
+    checks = [(out.loss, loss64), (out.logp[counted], lp64[counted]),
+              (out.entropy[counted], ent64[counted]), (x.grad, x64.grad)]  # fmt: skip
+    for got, want in checks:
+        got, want = got.detach().double(), want.detach()
+        finite = torch.isfinite(got)
+        err = (got - want).abs()[finite]
+        slack = 16 * torch.finfo(torch.float32).eps * zmax * (1 + float(want.abs().max()))
+        tol = 2e-4 * (1 + want.abs()[finite]) + slack
+        assert torch.all(err <= tol), (float(err.max()), preset, offset, scale, tau)
+        assert math.isfinite(float(out.loss))
