@@ -310,8 +310,21 @@ def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tens
         y_ok = (y >= 0) & (y < V)
         u_y = u.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
         s = e.sum(-1)  # (R,)
-        # sum_j e_j u_j, in u's memory; -inf logits: e = 0 and e * u must be 0, not NaN
-        sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
+        # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not 0 * -inf =
+        # NaN: such rows (and NaN rows) are redone with u clamped. On the CPU the check is a
+        # plain read; elsewhere the clamp always runs (no host sync).
+        if u.device.type == "cpu":
+            sum_eu = u.mul_(e).sum(-1)
+            bad = torch.isnan(sum_eu)
+            if bool(bad.any()):
+                u_bad = z_bad = None
+                rows = bad.nonzero().view(-1)
+                z_bad = _scaled(_rows(logits, r0, r1), temperature)[rows]
+                u_bad = (z_bad - m[rows]).clamp_(min=torch.finfo(torch.float32).min)
+                sum_eu[rows] = (u_bad * e[rows]).sum(-1)
+                del u_bad, z_bad
+        else:
+            sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
         del u
         ls = torch.log(s)
         logp[r0:r1] = torch.where(y_ok, u_y - ls, float("nan"))
