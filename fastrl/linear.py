@@ -54,9 +54,25 @@ def _gather(hidden: Tensor, idx: Tensor) -> Tensor:
     return hidden[idx // T, idx % T]
 
 
-def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap):
-    """z (R, V) in the rows' dtype: s (h W^T + b), then c tanh(. / c) with a softcap."""
-    z = torch.nn.functional.linear(rows, weight, bias)
+class _Buffer:
+    """One (chunk, V) logits buffer reused by every chunk of a call: a fresh allocation per
+    chunk would cost page faults on every chunk (large CPU allocations are mmapped)."""
+
+    def __init__(self, chunk: int, weight: Tensor):
+        self.data = torch.empty(chunk, weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+    def rows(self, R: int) -> Tensor:
+        return self.data[:R]
+
+
+def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap, buf: _Buffer):
+    """z (R, V) in the rows' dtype (in `buf`): s (h W^T + b), then c tanh(. / c) with a
+    softcap."""
+    z = buf.rows(rows.shape[0])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=z)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=z)
     if logit_scale != 1.0:
         z.mul_(logit_scale)
     if softcap is not None:
@@ -131,12 +147,13 @@ def linear_token_stats(
     stats = [torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(3)]
     y = tokens.reshape(-1)
     active = _active_rows(mask, N, hidden.device)
+    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     for s in range(0, active.numel(), chunk):
         idx = active[s : s + chunk]
-        z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap)
+        z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
         out = ops._token_stats_impl(z[None], y.index_select(0, idx)[None], temperature)
-        for buf, val in zip(stats, out):
-            buf.index_copy_(0, idx, val[0])
+        for dst, val in zip(stats, out):
+            dst.index_copy_(0, idx, val[0])
         del z
     return tuple(stats)
 
@@ -171,20 +188,20 @@ def linear_token_stats_backward(
     active = _active_rows(mask, N, hidden.device)
     g_all = grad_logp.reshape(-1).float()
     h_all = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     for s in range(0, active.numel(), chunk):
         idx = active[s : s + chunk]
         rows = _gather(hidden, idx)
-        z = _logits(rows, weight, bias, logit_scale, softcap)
+        z = _logits(rows, weight, bias, logit_scale, softcap, buf)
         factor = _chain_factor(z, logit_scale, softcap)
         pick = lambda t, idx=idx: t.index_select(0, idx)[None]  # noqa: E731
-        dz = torch.empty_like(z)[None]
+        dz = z[None]  # dL/dz overwrites the logits (each row is read before it is written)
         ops._grad_into(
             z[None], pick(y), pick(lse), pick(entropy), pick(g_all),
             None if h_all is None else pick(h_all), temperature, dz,
         )  # fmt: skip
-        del z
-        grads.add(idx, rows, _to_pre_activation(dz[0], factor, logit_scale), weight)
-        del dz, factor
+        grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
+        del z, dz, factor
     dh, dw, db = grads.result(weight, bias)
     return dh, dw, _bias_or_empty(db, weight)
 
@@ -253,12 +270,13 @@ def linear_policy_grad(
     grads = _Grads(N, weight, bias, hidden.dtype)
     active = _active_rows(mask, N, hidden.device)
     chunks = [active[s : s + chunk] for s in range(0, active.numel(), chunk)]
+    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     if is_token_separable(x.config):
         with ops._autograd_enabled():  # we run inside a custom op: below autograd
             weights = aggregation_weights(x).reshape(1, N)
         for idx in chunks:  # three GEMMs per chunk
             rows = _gather(hidden, idx)
-            z = _logits(rows, weight, bias, logit_scale, softcap)
+            z = _logits(rows, weight, bias, logit_scale, softcap, buf)
             factor = _chain_factor(z, logit_scale, softcap)
             x_rows = _select(flat, idx)
             w_rows = weights.index_select(1, idx)
@@ -274,10 +292,10 @@ def linear_policy_grad(
         lse = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         y = tokens.reshape(-1)
         for idx in chunks:
-            z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap)
-            for buf, val in zip((logp, entropy, lse), ops._token_stats_impl(
+            z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
+            for dst, val in zip((logp, entropy, lse), ops._token_stats_impl(
                     z[None], y.index_select(0, idx)[None], tau)):  # fmt: skip
-                buf.index_copy_(0, idx, val[0])
+                dst.index_copy_(0, idx, val[0])
             del z
         g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
         dh, dw, db = linear_token_stats_backward(
