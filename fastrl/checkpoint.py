@@ -5,6 +5,11 @@ the newest complete one.
 Every checkpoint is written into a temporary directory, each file fsync'ed, then renamed into
 place; only then is `latest` replaced (temp file + fsync + os.replace). A save interrupted at any
 point leaves the previous checkpoint and the `latest` pointer intact.
+
+Loading checks what it reads: `load_checkpoint` raises `CorruptCheckpoint` naming the file when
+one is missing, truncated, not parseable, or holds non-finite weights / optimizer state, and
+`checkpoint_candidates` lists every checkpoint newest first, so that a resume can fall back to
+the newest intact one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,14 @@ import numpy as np
 import torch
 
 LATEST = "latest"
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that cannot be used; `path` is the file, `reason` what is wrong."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 def _fsync_dir(path: str) -> None:
@@ -154,37 +167,120 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint directory under `root`, or None."""
-    pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            d = os.path.join(root, json.load(f)["dir"])
-        if os.path.isfile(os.path.join(d, "state.json")):
-            return d
+def _step_dirs(root: str) -> list[str]:
+    """Names of the finished checkpoint directories under `root`, oldest first."""
     if not os.path.isdir(root):
-        return None
-    done = sorted(
+        return []
+    return sorted(
         d
         for d in os.listdir(root)
-        if d.startswith("step-")
-        and "." not in d
-        and os.path.isfile(os.path.join(root, d, "state.json"))
+        if d.startswith("step-") and "." not in d and os.path.isdir(os.path.join(root, d))
     )
-    return os.path.join(root, done[-1]) if done else None
+
+
+def checkpoint_candidates(root: str) -> tuple[list[str], list[str]]:
+    """Every checkpoint directory under `root`, the one `latest` names first, then newest
+    first; and notes on what was wrong with the `latest` pointer (unreadable, dangling)."""
+    notes, first = [], None
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        try:
+            with open(pointer) as f:
+                name = json.load(f)["dir"]
+            if not isinstance(name, str) or os.path.basename(name) != name:
+                raise ValueError(f"'dir' is {name!r}, not a directory name")
+            if os.path.isdir(os.path.join(root, name)):
+                first = name
+            else:
+                notes.append(f"{pointer} names {name!r}, which does not exist; ignored")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            notes.append(f"{pointer} is unreadable ({type(e).__name__}: {e}); ignored")
+    dirs = _step_dirs(root)[::-1]
+    if first is not None:
+        dirs = [first] + [d for d in dirs if d != first]
+    return [os.path.join(root, d) for d in dirs], notes
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint directory under `root` (the one `latest` names, else the
+    newest with a state.json), or None. Its files are not checked: see `load_checkpoint`."""
+    dirs, _ = checkpoint_candidates(root)
+    done = [d for d in dirs if os.path.isfile(os.path.join(d, "state.json"))]
+    return done[0] if done else None
+
+
+def read_json(path: str):
+    """JSON from `path`; a missing, unreadable or malformed file raises CorruptCheckpoint naming
+    it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(path, "missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(path, f"not valid JSON ({e})") from e
+
+
+def _nonfinite(tensors: dict) -> list[str]:
+    return [
+        k
+        for k, t in tensors.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(t.isfinite().all())
+    ]
+
+
+def _optim_tensors(obj, prefix: str = "") -> dict:
+    """Every tensor inside a (nested) optimizer / scheduler state, by a dotted path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = (
+        obj.items()
+        if isinstance(obj, dict)
+        else enumerate(obj)
+        if isinstance(obj, list | tuple)
+        else ()
+    )
+    out = {}
+    for k, v in items:
+        out.update(_optim_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def load_checkpoint(ckpt: str, models: dict, device) -> tuple[dict, dict]:
-    """Load weights into `models` (name -> module); return (optimizer state, JSON state)."""
+    """Load weights into `models` (name -> module); return (optimizer state, JSON state).
+
+    Raises CorruptCheckpoint naming the file when one is missing, truncated or malformed, or
+    holds non-finite weights or optimizer state. The models may then be partly overwritten:
+    load another checkpoint into them (every tensor is replaced) or discard them."""
     from safetensors.torch import load_model
 
+    path = os.path.join(ckpt, "state.json")
+    state = read_json(path)
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
+        raise CorruptCheckpoint(path, "not a checkpoint state (expected 'step' and 'rng')")
     for name, model in models.items():
-        load_model(model, os.path.join(ckpt, f"{name}.safetensors"), device=str(device))
-    optim_state = torch.load(
-        os.path.join(ckpt, "optimizer.pt"), map_location=device, weights_only=False
-    )
-    with open(os.path.join(ckpt, "state.json")) as f:
-        state = json.load(f)
+        path = os.path.join(ckpt, f"{name}.safetensors")
+        if not os.path.isfile(path):
+            raise CorruptCheckpoint(path, "missing")
+        try:
+            load_model(model, path, device=str(device))
+        except Exception as e:  # truncated / garbage file, wrong tensors
+            raise CorruptCheckpoint(path, f"unreadable ({type(e).__name__}: {e})") from e
+        bad = _nonfinite(model.state_dict())
+        if bad:
+            raise CorruptCheckpoint(path, f"non-finite (NaN / inf) weights in {', '.join(bad[:3])}")
+    path = os.path.join(ckpt, "optimizer.pt")
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(path, "missing")
+    try:
+        optim_state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        raise CorruptCheckpoint(path, f"unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(optim_state, dict) or not {"optimizer", "scheduler"} <= optim_state.keys():
+        raise CorruptCheckpoint(path, "not an optimizer checkpoint")
+    bad = _nonfinite(_optim_tensors(optim_state))
+    if bad:
+        raise CorruptCheckpoint(path, f"non-finite optimizer state in {', '.join(bad[:3])}")
     return optim_state, state
 
 
@@ -192,5 +288,4 @@ def load_rank_rng(ckpt: str, rank: int) -> dict | None:
     path = os.path.join(ckpt, f"rng_rank{rank}.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)

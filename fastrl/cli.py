@@ -22,7 +22,15 @@ from . import config as config_module
 from .config import TrainConfig
 
 # options that may differ when resuming (everything else comes from the run's config.json)
-RESUME_OVERRIDABLE = ("steps", "device", "progress", "num_threads", "save_every", "eval_every")
+RESUME_OVERRIDABLE = (
+    "steps",
+    "device",
+    "progress",
+    "num_threads",
+    "save_every",
+    "eval_every",
+    "reward_timeout",
+)
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -76,6 +84,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         if "None" in ann:
             kind = _parse_optional(kind)
         extra = {"choices": config_module.ALGOS} if f.name == "algo" else {}
+        if kind is _bool:  # `--force` alone means true; `--progress false` still works
+            extra = {"nargs": "?", "const": True}
         p.add_argument(
             flag,
             type=kind,
@@ -99,7 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
             "a tiny random-init Qwen2 (character tokenizer shipped in the package) gets a short "
             "supervised warm-up, then GRPO raises its greedy accuracy on 2-digit addition, on a "
             "CPU, in minutes. Writes OUT/config.json, OUT/metrics.jsonl, OUT/curves.png and "
-            "checkpoints under OUT/checkpoints. Works under `torchrun --nproc_per_node N`."
+            "checkpoints under OUT/checkpoints; an OUT that already holds a run is refused "
+            "unless --force (or --resume OUT). Works under `torchrun --nproc_per_node N`. "
+            "Fails loudly: a NaN / inf loss or gradient norm stops the run naming the step "
+            "(exit 1, the last good checkpoint kept); --resume skips corrupt checkpoints, "
+            "saying which file is bad; reward calls that raise, hang past --reward-timeout or "
+            "return a non-finite or huge value score 0, are counted and printed; SystemExit / "
+            "KeyboardInterrupt from the reward function stop the run with a checkpoint. Exit "
+            "codes: 0 done, 1 training stopped, 2 bad input, 130 KeyboardInterrupt in the "
+            "reward function."
         ),
     )
     add_train_args(train)
@@ -146,8 +164,13 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         path = os.path.join(resume, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"--resume {resume!r}: no config.json in it (not a fastrl run dir)")
-        with open(path) as f:
-            saved = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"--resume: {path} is not valid JSON ({e})") from e
+        if not isinstance(saved, dict):
+            raise ValueError(f"--resume: {path} is not a JSON object of TrainConfig options")
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         base = {k: v for k, v in saved.items() if k in known}
         ignored = sorted(
@@ -161,6 +184,10 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
                 " (taken from the run's config.json)",
                 file=sys.stderr,
             )
+        try:  # the saved options alone: an error here is the file's
+            TrainConfig(**base).validate()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--resume: {path}: {e}") from e
         base.update({k: v for k, v in given.items() if k in RESUME_OVERRIDABLE})
         base["resume"], base["out"] = resume, resume
         cfg = TrainConfig(**base)
@@ -191,11 +218,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fastrl train: error: {e}", file=sys.stderr)
         return 2
+    from .rewards import RewardError
+    from .trainer import TrainingError
+
     try:
         trainer.train()
-    except ValueError as e:  # bad input discovered while loading (e.g. --resume)
+    except ValueError as e:  # bad input discovered while loading (e.g. --resume, --out)
         print(f"fastrl train: error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # a non-finite loss / gradient: stopped, last good ckpt kept
+        print(f"fastrl train: error: {e}", file=sys.stderr)
+        return 1
+    except RewardError as e:  # the reward function asked to stop, or hangs
+        print(f"fastrl train: error: {e}", file=sys.stderr)
+        return e.exit_code
     finally:
         trainer.close()
     if trainer.rank == 0:

@@ -4,8 +4,10 @@ One RL step:
 1. rollout: `batch_size` prompts (split across ranks) x `group_size` samples with a KV cache
    (`fastrl.rollout.generate`); dapo keeps generating until its dynamic-sampling filter has
    filled the batch or `max_gen_batches` is reached;
-2. rewards from the task's reward function (errors score 0 and are counted); dapo adds the
-   overlong penalty and masks truncated completions;
+2. rewards from the task's reward function (`fastrl.rewards.RewardScorer`: a call that raises,
+   returns a non-finite / huge value or runs past `reward_timeout` scores 0 and is counted, the
+   first of each kind is printed with its traceback, and a step with failures or with every
+   reward 0 prints a warning); dapo adds the overlong penalty and masks truncated completions;
 3. pi_old (and pi_ref for grpo / ppo with KL shaping) log-probs: one no-grad forward each;
 4. advantages: group advantages (grpo, dapo) or GAE on token rewards with a critic (ppo);
 5. `epochs` passes over `minibatches` shuffled minibatches, each one AdamW step over
@@ -17,6 +19,15 @@ One RL step:
 
 Runs under `torchrun --nproc_per_node N` (gloo on CPU, nccl on GPU). Each rank samples its own
 prompts (seed + rank); evaluation is greedy on a fixed eval set and identical on every rank.
+
+Failing loudly: the loss, value loss and gradient norms of an update are checked for NaN / inf
+in the one host read of its metrics (no extra sync), and a non-finite one raises
+`TrainingError` naming the step before that step is saved (so the last checkpoint stays the
+last good one; `save` also refuses non-finite weights). `--resume` falls back from a corrupt,
+truncated or non-finite checkpoint to the newest intact one, saying which file was bad. An
+`--out` that already holds a run is refused unless `force` (or `--resume` names it).
+SystemExit / KeyboardInterrupt from the reward function stop the run with a checkpoint and a
+`RewardError`.
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ import gc
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, fields
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -39,7 +52,7 @@ from . import checkpoint as ckpt_io
 from .advantages import dynamic_sampling_filter, gae, group_advantages, overlong_penalty
 from .config import LossConfig, TrainConfig
 from .losses import logprobs, policy_loss, value_loss
-from .rewards import score
+from .rewards import MAX_ABS_REWARD, RewardError, RewardScorer
 from .rollout import (
     CHARS,
     Rollout,
@@ -116,6 +129,15 @@ def _all_reduce(x: Tensor) -> Tensor:
     return x
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png")
+"""What a run writes under --out (a directory holding any of them holds a run)."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss, gradient norm or weights); the message names
+    the step and the last good checkpoint."""
+
+
 # --------------------------------------------------------------------------- trainer
 class Trainer:
     """Build everything from a TrainConfig (validating first), then `train()`."""
@@ -127,6 +149,10 @@ class Trainer:
         self.rank, self.world = _rank_world()
         if self.rank != 0:
             self.log = lambda *a, **k: None
+        self._bar = None  # the tqdm bar while training (warnings are written above it)
+        # reward failures are reported on the rank where they happen
+        prefix = f"[rank {self.rank}] " if self.world > 1 else ""
+        self._report = lambda text: self._warn(f"{prefix}warning: {text}", any_rank=log)
         if cfg.batch_size % self.world:
             raise ValueError(
                 f"--batch-size={cfg.batch_size} must be divisible by the number of ranks "
@@ -134,6 +160,7 @@ class Trainer:
             )
         self.device = self._pick_device(cfg.device)
         self.task = get_task(cfg.task, cfg.reward)  # raises on unknown task / bad JSONL
+        self.scorer = RewardScorer(self.task.reward_fn, cfg.reward_timeout, report=self._report)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -262,11 +289,14 @@ class Trainer:
     def setup(self):
         """Warm-up (fresh runs), reference / critic copies, optimizer, DDP; or resume."""
         cfg = self.cfg
-        ckpt = None
+        candidates = []
         if cfg.resume:
-            ckpt = ckpt_io.latest_checkpoint(os.path.join(cfg.resume, "checkpoints"))
-            if ckpt is None:
-                raise ValueError(f"--resume {cfg.resume!r}: no complete checkpoint in it")
+            root = os.path.join(cfg.resume, "checkpoints")
+            candidates, notes = ckpt_io.checkpoint_candidates(root)
+            for note in notes:
+                self.log(f"--resume: {note}")
+            if not candidates:
+                raise ValueError(f"--resume {cfg.resume!r}: no checkpoint in {root}")
         elif cfg.sft_steps > 0:
             self.supervised_warmup()
         if self.use_ref:
@@ -274,9 +304,28 @@ class Trainer:
         if cfg.algo == "ppo":
             self.critic = ValueModel(self.policy).to(self.device)
         self._build_optim()
-        if ckpt is not None:
-            self._load(ckpt)
+        if candidates:
+            self._load_newest_intact(candidates)
         self._wrap_ddp()
+
+    def _load_newest_intact(self, candidates: list[str]) -> None:
+        """Load the first checkpoint of `candidates` (newest first) whose files are all intact,
+        saying which file of each skipped one is bad; raise ValueError if none is."""
+        bad = []
+        for ckpt in candidates:
+            try:
+                self._load(ckpt)
+            except ckpt_io.CorruptCheckpoint as e:
+                bad.append(str(e))
+                self.log(f"--resume: skipping checkpoint {ckpt}: {e}")
+                continue
+            if bad:
+                self.log(f"--resume: fell back to {ckpt} (the newest intact checkpoint)")
+            return
+        raise ckpt_io.CorruptCheckpoint(
+            os.path.dirname(candidates[0]),
+            "no intact checkpoint to resume from:\n  " + "\n  ".join(bad),
+        )
 
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, examples: list[Example]) -> list[list[int]]:
@@ -343,7 +392,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Share of the eval prompts whose greedy completion gets reward >= 1."""
         self.policy.eval()
-        correct = 0
+        correct = failed = 0
         for s in range(0, len(self.eval_set), 256):
             ex = self.eval_set[s : s + 256]
             with self.autocast:
@@ -356,9 +405,15 @@ class Trainer:
                     self.pad_id,
                     temperature=0.0,
                 )
-            rewards, _ = score(self.task.reward_fn, self.decode(r), [e.answer for e in ex])
-            correct += sum(x >= 1.0 - 1e-6 for x in rewards)
+            res = self.scorer(self.decode(r), [e.answer for e in ex])
+            correct += sum(x >= 1.0 - 1e-6 for x in res.rewards)
+            failed += res.errors
         self.policy.train()
+        if failed:
+            self._warn(
+                f"warning: eval after step {self.step}: {failed} of {len(self.eval_set)} reward "
+                "calls failed (scored 0, counted as wrong)"
+            )
         return correct / max(len(self.eval_set), 1)
 
     # ------------------------------------------------------------------ rollout phase
@@ -374,6 +429,10 @@ class Trainer:
             "success": 0.0,
             "n": 0,
             "errors": 0,
+            "raised": 0,
+            "invalid": 0,
+            "timeouts": 0,
+            "nonzero": 0,
             "tokens": 0,
             "len_sum": 0.0,
             "truncated": 0.0,
@@ -394,12 +453,17 @@ class Trainer:
                     generator=self.sample_gen,
                 )
             answers = [e.answer for e in ex for _ in range(G)]
-            raw, errors = score(self.task.reward_fn, self.decode(r), answers)
+            res = self.scorer(self.decode(r), answers)
+            raw = res.rewards
             rewards = torch.tensor(raw, dtype=torch.float32)
             stats["reward_sum"] += sum(raw)
             stats["success"] += sum(x >= 1.0 - 1e-6 for x in raw)
             stats["n"] += len(raw)
-            stats["errors"] += errors
+            stats["errors"] += res.errors
+            stats["raised"] += res.raised
+            stats["invalid"] += res.invalid
+            stats["timeouts"] += res.timeouts
+            stats["nonzero"] += sum(x != 0.0 for x in raw)
             stats["tokens"] += int(r.lengths.sum())
             stats["len_sum"] += float(r.lengths.float().sum())
             stats["truncated"] += float(r.truncated.float().sum())
@@ -470,7 +534,10 @@ class Trainer:
     # ------------------------------------------------------------------ update phase
     def update(self, batch: Batch) -> dict:
         """`epochs` x `minibatches` optimizer steps on this rank's `batch`; metrics summed /
-        averaged over ranks (identical on every rank)."""
+        averaged over ranks (identical on every rank). Metric sums and gradient norms stay on
+        the device and are read once, at the end; a non-finite loss, value loss or gradient
+        norm found there raises TrainingError naming the step (the weights are then spoiled:
+        the run must stop before they are saved)."""
         cfg = self.cfg
         N = batch.rollout.completion_ids.shape[0]
         # loss, tok, ent, kl, clip, akl, vloss, vclip: summed on the device, read once per update
@@ -491,8 +558,11 @@ class Trainer:
                     sync = i == len(micros) - 1
                     sums += self._micro_step(batch, mi, num_tokens, num_seqs, sync)
                 grad_norms.append(self._clip_and_step())
-        sums = _all_reduce(sums).cpu()
         n_opt = cfg.epochs * cfg.minibatches
+        # the one host read of this update: metric sums and every (policy, critic) grad norm
+        host = torch.cat([_all_reduce(sums), torch.stack(grad_norms).double().flatten()]).cpu()
+        sums, norms = host[:8], host[8:].view(n_opt, 2)
+        self._check_finite(sums, norms)
         tok = max(sums[1].item(), 1.0)
         out = {
             "loss": sums[0].item() / n_opt,
@@ -500,7 +570,7 @@ class Trainer:
             "kl": sums[3].item() / tok,
             "clipfrac": sums[4].item() / tok,
             "approx_kl": sums[5].item() / tok,
-            "grad_norm": float(np.mean(grad_norms)),
+            "grad_norm": norms[:, 0].mean().item(),
             "lr": self.sched.get_last_lr()[0],
         }
         if cfg.algo == "ppo":
@@ -572,13 +642,54 @@ class Trainer:
                     stack.enter_context(m.no_sync())
             yield
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self) -> Tensor:
+        """Clip, step; (policy, critic) gradient norms before clipping, on the device (no sync)."""
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
+        cnorm = torch.zeros_like(norm)
         if self.critic is not None:
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
+            cnorm = torch.nn.utils.clip_grad_norm_(
+                self.critic.parameters(), self.cfg.max_grad_norm
+            ).to(norm)
         self.opt.step()
         self.sched.step()
-        return float(norm)
+        return torch.stack([norm, cnorm])
+
+    def _check_finite(self, sums: Tensor, norms: Tensor) -> None:
+        """Raise TrainingError when this update's loss, value loss or a gradient norm (host
+        copies) is NaN / inf."""
+        if bool(torch.isfinite(sums).all()) and bool(torch.isfinite(norms).all()):
+            return
+        what = []
+        if not torch.isfinite(sums[0]):
+            what.append(f"loss {sums[0].item()}")
+        if not torch.isfinite(sums[6]):
+            what.append(f"value loss {sums[6].item()}")
+        for col, name in ((0, "policy"), (1, "critic")):
+            bad = (~torch.isfinite(norms[:, col])).nonzero().flatten().tolist()
+            if bad:
+                what.append(
+                    f"{name} gradient norm {norms[bad[0], col].item()} at optimizer step "
+                    f"{bad[0] + 1} of {len(norms)}"
+                )
+        if not what:
+            what.append("loss metrics (entropy / KL / clip fractions)")
+        raise TrainingError(
+            f"step {self.step + 1}: non-finite {', '.join(what)}; stopping. The weights are "
+            f"spoiled, so this step is not saved; {self._last_good()}"
+        )
+
+    def _last_good(self) -> str:
+        ckpt = ckpt_io.latest_checkpoint(os.path.join(self.cfg.out, "checkpoints"))
+        if ckpt is None:
+            return "no checkpoint had been saved yet"
+        return f"the last good checkpoint is {ckpt} (continue with --resume {self.cfg.out})"
+
+    def _weights_finite(self) -> bool:
+        """Every trained parameter finite (one host read; only when saving)."""
+        params = [
+            p.detach() for m in (self.policy, self.critic) if m is not None for p in m.parameters()
+        ]
+        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
     # ------------------------------------------------------------------ checkpoints
     def _models(self) -> dict:
@@ -595,6 +706,12 @@ class Trainer:
         )
 
     def save(self):
+        """Checkpoint the current step (refusing non-finite weights: TrainingError)."""
+        if not self._weights_finite():
+            raise TrainingError(
+                f"step {self.step}: the weights are non-finite (NaN / inf) although the loss and "
+                f"gradient norms were finite; not saving them; {self._last_good()}"
+            )
         rank_states = [None] * self.world
         if self.world > 1:
             dist.all_gather_object(rank_states, self._rng())
@@ -614,30 +731,112 @@ class Trainer:
             dist.barrier()
 
     def _load(self, ckpt: str):
+        """Load checkpoint `ckpt` into everything; CorruptCheckpoint names a bad file (the
+        state may then be partly overwritten: load another checkpoint or give up)."""
         optim_state, state = ckpt_io.load_checkpoint(ckpt, self._models(), self.device)
-        self.opt.load_state_dict(optim_state["optimizer"])
-        self.sched.load_state_dict(optim_state["scheduler"])
-        rng = ckpt_io.load_rank_rng(ckpt, self.rank) or state["rng"]
-        ckpt_io.set_rng_state(
-            rng, {"sample": self.sample_gen, "shuffle": self.shuffle_gen}, {"task": self.task_rng}
-        )
+        path = os.path.join(ckpt, "optimizer.pt")
+        try:
+            self.opt.load_state_dict(optim_state["optimizer"])
+            self.sched.load_state_dict(optim_state["scheduler"])
+        except Exception as e:  # a state of another shape: not this run's
+            raise ckpt_io.CorruptCheckpoint(path, f"{type(e).__name__}: {e}") from e
+        for r in range(self.world if self.world > 1 else 0):  # every rank decides alike
+            ckpt_io.load_rank_rng(ckpt, r)
+        rng = ckpt_io.load_rank_rng(ckpt, self.rank)
+        path = os.path.join(ckpt, f"rng_rank{self.rank}.json" if rng else "state.json")
+        try:
+            ckpt_io.set_rng_state(
+                rng or state["rng"],
+                {"sample": self.sample_gen, "shuffle": self.shuffle_gen},
+                {"task": self.task_rng},
+            )
+        except Exception as e:
+            raise ckpt_io.CorruptCheckpoint(path, f"bad RNG state ({type(e).__name__}: {e})") from e
         self.step = state["step"]
         self.log(f"resumed from {ckpt} at step {self.step}")
 
     # ------------------------------------------------------------------ main loop
+    def check_out_dir(self) -> None:
+        """Refuse (ValueError) an --out that already holds a run, unless `force` or `resume`
+        names it."""
+        cfg = self.cfg
+        out = cfg.out
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ValueError(f"--out {out!r} exists and is not a directory")
+        if cfg.force or self._resumes_in_place():
+            return
+        found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+        if found:
+            raise ValueError(
+                f"--out {out!r} already holds a run ({', '.join(found)}); not overwriting it. "
+                f"Continue it with --resume {out}, start over there with --force (deletes "
+                "those files), or choose another --out"
+            )
+
+    def _resumes_in_place(self) -> bool:
+        cfg = self.cfg
+        return bool(cfg.resume) and os.path.abspath(cfg.resume) == os.path.abspath(cfg.out)
+
+    def _warn(self, text: str, any_rank=None) -> None:
+        """A warning line: above the progress bar when there is one, else through the log
+        (`any_rank`: the log to use on every rank, not only rank 0)."""
+        log = any_rank or self.log
+        if self._bar is not None and log is print:
+            self._bar.write(text)
+        else:
+            log(text)
+
+    def _rng_snapshot(self):
+        """This process's RNG states, cheaply (a checkpoint taken after an interrupted rollout
+        restores them, so that resuming repeats that rollout exactly)."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return (
+            torch.get_rng_state(),
+            random.getstate(),
+            np.random.get_state(),
+            self.sample_gen.get_state(),
+            self.shuffle_gen.get_state(),
+            self.task_rng.getstate(),
+            cuda,
+        )
+
+    def _stop_for_reward(self, e: RewardError, where: str, snapshot=None) -> NoReturn:
+        """The reward function asked to stop (or hangs) `where`: checkpoint the last finished
+        step (single-process runs; with `snapshot`, RNGs as at that step's end) and raise."""
+        if self.world > 1:  # the other ranks may not stop here: no collective save
+            note = "distributed run: no checkpoint written here, the last periodic one is kept"
+        else:
+            if snapshot is not None:
+                torch_rng, py, npy, sample, shuffle, task, cuda = snapshot
+                torch.set_rng_state(torch_rng)
+                random.setstate(py)
+                np.random.set_state(npy)
+                self.sample_gen.set_state(sample)
+                self.shuffle_gen.set_state(shuffle)
+                self.task_rng.setstate(task)
+                if cuda is not None:
+                    torch.cuda.set_rng_state_all(cuda)
+            self.save()
+            note = f"checkpoint of step {self.step} saved; continue with --resume {self.cfg.out}"
+        raise RewardError(f"{where}: {e}\n({note})", e.exit_code) from e
+
     def train(self) -> list[dict]:
         """Run (or continue) the whole training; returns the metric records of this call."""
         cfg = self.cfg
         is_main = self.rank == 0
+        self.check_out_dir()
         os.makedirs(cfg.out, exist_ok=True)
         self.setup()
         metrics_path = os.path.join(cfg.out, "metrics.jsonl")
         if is_main:
+            if not self._resumes_in_place():  # nothing of an earlier run (--force) remains
+                shutil.rmtree(os.path.join(cfg.out, "checkpoints"), ignore_errors=True)
+                for name in ("metrics.jsonl", "curves.png"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(cfg.out, name))
             ckpt_io.write_json_atomic(os.path.join(cfg.out, "config.json"), cfg.to_dict())
             if cfg.resume:
-                _truncate_metrics(metrics_path, self.step)
-            elif os.path.exists(metrics_path):
-                os.unlink(metrics_path)
+                _truncate_metrics(metrics_path, self.step, self.log)
         records = []
 
         def emit(rec):
@@ -647,7 +846,10 @@ class Trainer:
                     f.write(json.dumps(rec) + "\n")
 
         if self.step == 0:
-            acc = self.evaluate()
+            try:
+                acc = self.evaluate()
+            except RewardError as e:
+                self._stop_for_reward(e, "eval at step 0")
             emit({"step": 0, "eval_accuracy": acc})
             self.log(
                 f"step 0 (before RL{', after warm-up' if cfg.sft_steps else ''}): "
@@ -660,11 +862,33 @@ class Trainer:
             bar = tqdm(
                 total=cfg.steps, initial=self.step, desc=f"fastrl {cfg.algo}", dynamic_ncols=True
             )
+        self._bar = bar
+        try:
+            self._loop(emit)
+        finally:
+            self._bar = None
+            if bar is not None:
+                bar.close()
+        if is_main:
+            try:
+                plot_curves(metrics_path, os.path.join(cfg.out, "curves.png"), cfg.algo)
+            except Exception as e:  # a plot never fails a run
+                self.log(f"could not write curves.png: {e}")
+        return records
+
+    def _loop(self, emit) -> None:
+        """The RL steps of `train` (records through `emit`)."""
+        cfg, bar = self.cfg, self._bar
+        seen = nonzero = steps = 0  # rewards of this call (all ranks), for the final warning
         t_start = time.perf_counter()
         while self.step < cfg.steps:
             t0 = time.perf_counter()
-            batch, st = self.collect()
-            upd = self.update(batch)
+            snapshot = self._rng_snapshot() if self.world == 1 else None
+            try:
+                batch, st = self.collect()
+            except RewardError as e:
+                self._stop_for_reward(e, f"step {self.step + 1}", snapshot)
+            upd = self.update(batch)  # raises TrainingError on a non-finite loss / grad norm
             self.step += 1
             tot = _all_reduce(
                 torch.tensor(
@@ -678,6 +902,10 @@ class Trainer:
                         st["truncated"],
                         st["gen_batches"],
                         st["kept_groups"],
+                        st["raised"],
+                        st["invalid"],
+                        st["timeouts"],
+                        st["nonzero"],
                     ],
                     dtype=torch.float64,
                     device=self.device,
@@ -693,6 +921,7 @@ class Trainer:
                 "response_len": tot[5] / n,
                 "truncated_frac": tot[6] / n,
                 "reward_errors": int(tot[3]),
+                "reward_timeouts": int(tot[11]),
                 "sampler_logp_gap": st["sampler_gap"],
                 "tokens_per_s": tot[4] / dt,
                 "step_time_s": dt,
@@ -701,9 +930,15 @@ class Trainer:
                 rec["gen_batches"] = tot[7] / self.world
                 rec["kept_groups"] = int(tot[8])
                 rec["batch_full"] = bool(tot[8] >= cfg.batch_size)
+            self._step_warnings(tot)
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                rec["eval_accuracy"] = self.evaluate()
+                try:
+                    rec["eval_accuracy"] = self.evaluate()
+                except RewardError as e:
+                    emit(rec)
+                    self._stop_for_reward(e, f"eval after step {self.step}")
             emit(rec)
+            seen, nonzero, steps = seen + int(tot[2]), nonzero + int(tot[12]), steps + 1
             if bar is not None:
                 bar.update(1)
                 post = {
@@ -716,23 +951,56 @@ class Trainer:
                 bar.set_postfix(post)
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                 self.save()
-        if bar is not None:
-            bar.close()
         self.wall_time = time.perf_counter() - t_start
-        if is_main:
-            try:
-                plot_curves(metrics_path, os.path.join(cfg.out, "curves.png"), cfg.algo)
-            except Exception as e:  # a plot never fails a run
-                self.log(f"could not write curves.png: {e}")
-        return records
+        if seen and not nonzero:
+            self._warn(
+                f"warning: every reward of this run was 0 ({seen} samples over {steps} "
+                f"step{'s' if steps > 1 else ''}): "
+                "RL had no learning signal; check --task / --reward (and the reward errors "
+                "above, if any)"
+            )
+
+    def _step_warnings(self, tot: list[float]) -> None:
+        """Warning lines for this step's reward failures and an all-zero reward batch."""
+        n, failed = int(tot[2]), int(tot[3])
+        if failed:
+            kinds = [
+                f"{int(tot[i])} {what}"
+                for i, what in (
+                    (9, "raised"),
+                    (10, f"returned a non-number, non-finite or |r| > {MAX_ABS_REWARD:g} value"),
+                    (11, f"ran past --reward-timeout {self.cfg.reward_timeout:g}s"),
+                )
+                if tot[i]
+            ]
+            self._warn(
+                f"warning: step {self.step}: {failed} of {n} reward calls failed and scored 0 "
+                f"({', '.join(kinds)})"
+            )
+        if n and not tot[12]:
+            self._warn(f"warning: step {self.step}: every reward is 0 ({n} samples)")
 
 
-def _truncate_metrics(path: str, step: int) -> None:
-    """Keep the records up to `step` (a resumed run rewrites what came after its checkpoint)."""
+def _truncate_metrics(path: str, step: int, log=print) -> None:
+    """Keep the records up to `step` (a resumed run rewrites what came after its checkpoint).
+    A line that is not a JSON record with a step (e.g. cut short by a crash) is dropped, saying
+    so with its file and line number."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    keep = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec_step = json.loads(line)["step"]
+                if not isinstance(rec_step, int):
+                    raise TypeError(f"step {rec_step!r}")
+            except (ValueError, KeyError, TypeError) as e:
+                log(f"--resume: dropping {path}:{lineno}, not a metrics record ({e})")
+                continue
+            if rec_step <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)

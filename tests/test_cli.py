@@ -50,8 +50,11 @@ def test_help_lists_every_option(capsys):
         "--out",
         "--resume",
         "--device",
+        "--reward-timeout",
+        "--force",
     ]:
         assert flag in text
+    assert "already holds a run is refused unless --force" in " ".join(text.split())
     # every option has a real help text (its docstring), not just the default
     actions = build_parser()._subparsers._group_actions[0].choices["train"]._actions
     for a in actions:
@@ -75,6 +78,8 @@ def test_bench_help_names_the_script(capsys):
         (["--algo", "dapo", "--group-size", "1"], "group-size"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--steps", "0"], "--steps"),
+        (["--reward-timeout", "-1"], "--reward-timeout"),
+        (["--reward-timeout", "nan"], "--reward-timeout"),
         (
             ["--device", "cuda:7"]
             if not __import__("torch").cuda.is_available()

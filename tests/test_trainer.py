@@ -229,11 +229,11 @@ def test_rewards_and_tasks():
     assert last_number("__import__('os').getcwd()", "0") == 0.0  # text is never evaluated
     assert resolve_reward("exact_match") is exact_match
     rewards, errors = score(
-        lambda c, a: 1 / 0 if c == "x" else float("nan") if c == "n" else 1,
-        ["x", "n", "ok"],
-        ["1", "1", "1"],
+        lambda c, a: 1 / 0 if c == "x" else float("nan") if c == "n" else 2e6 if c == "h" else 1,
+        ["x", "n", "h", "ok"],
+        ["1", "1", "1", "1"],
     )
-    assert rewards == [0.0, 0.0, 1.0] and errors == 2
+    assert rewards == [0.0, 0.0, 0.0, 1.0] and errors == 3  # raised, NaN, |r| > MAX_ABS_REWARD
     task = get_task("arith")
     for ex in task.sample(random.Random(0), 200):
         assert int(ex.answer) >= 0  # subtraction results stay non-negative
