@@ -264,7 +264,19 @@ class TrainConfig:
 
     reward: str | None = None
     """Reward function for the task: a built-in name (exact_match, last_number, bracket_format)
-    or `module:function` taking (completion, answer) -> float. None: the task's own."""
+    or `module:function` taking (completion, answer) -> float, where the module is importable
+    from the current directory (as with `python -m`) or sys.path. None: the task's own. A call
+    that raises, hangs past --reward-timeout, or returns a non-number, a non-finite number or
+    |r| > 1e6 scores 0 and is counted (the first of each kind is printed with its traceback, and
+    each step with failures prints a warning); SystemExit / KeyboardInterrupt raised by it stop
+    the run with a checkpoint."""
+
+    reward_timeout: float = 5.0
+    """Seconds one reward call may take; a longer call scores 0 and is counted as a timeout.
+    Calls run in a worker thread, and a hung thread cannot be killed: it is left running in the
+    background, and more than 4 such calls still running at once stop the run with an error. 0:
+    no limit, calls run in the main thread (for reward functions that need it, e.g. ones that
+    use signals)."""
 
     steps: int = 100
     """Number of RL steps (one rollout batch each, then `epochs` passes of updates)."""
@@ -290,6 +302,11 @@ class TrainConfig:
     resume: str | None = None
     """Resume from this output directory's last complete checkpoint (the run continues exactly
     as if uninterrupted; the other options are taken from its config.json)."""
+
+    force: bool = False
+    """Start a fresh run in an --out directory that already holds a run (config.json,
+    metrics.jsonl or checkpoints/), deleting that run's files. Without it such a directory is
+    refused (unless --resume points at it)."""
 
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
@@ -435,6 +452,8 @@ class TrainConfig:
                 raise bad(name, "a finite number >= 0")
         if not _is_real(self.temperature) or not self.temperature > 0:
             raise bad("temperature", "a number > 0")
+        if not _is_real(self.reward_timeout) or not 0 <= self.reward_timeout < math.inf:
+            raise bad("reward_timeout", "a finite number of seconds >= 0 (0: no limit)")
         if self.kl_coef is not None and (not _is_real(self.kl_coef) or self.kl_coef < 0):
             raise bad("kl_coef", "None or a number >= 0")
         if self.algo == "dapo" and self.kl_coef:
