@@ -6,7 +6,11 @@ Stable API (other benchmarks import it):
     peak_memory(fn, device)          -> dict(bytes, method): peak extra memory of one call
     write_results(name, rows, meta)  -> paths of <name>.json and <name>.csv in benchmarks/results/
     plot_bars(path, rows, ...)       -> bar charts of time and memory per method (PNG)
+    plot_cases(path, rows, ...)      -> one row of horizontal bar charts per case (shape, dtype),
+                                        error bars from each row's q20 / q80 (PNG)
     cpu_malloc_env() / ensure_cpu_malloc_env() -> env / re-exec for CPU peak-memory runs
+    cpu_rates(numel)                 -> dict: measured copy bandwidth (GB/s) and exp rate (1/s)
+    progress(total, desc, disable)   -> a tqdm bar on stderr (a no-op stand-in without tqdm)
 
 Timing: on CUDA triton.testing.do_bench (warmup / rep in ms, quantiles 0.5 / 0.2 / 0.8); on CPU
 a time.perf_counter loop of `rep` calls after `warmup` calls.
@@ -225,3 +229,117 @@ def plot_bars(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
+
+
+def _short(v) -> str:
+    if v is None:
+        return ""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.2g}"
+
+
+def plot_cases(
+    path: Path | str,
+    rows: list[dict],
+    case_of,
+    label: str,
+    panels: list[tuple],
+    title: str = "",
+) -> str:
+    """Horizontal bar charts, one figure row per case and one column per panel. PNG.
+
+    case_of(row) -> str groups the rows (e.g. "N=2048 V=32000 fp32"), keeping first-seen order;
+    bars are labelled by row[label]. Each panel is (key, axis label) or (key, axis label,
+    (lo_key, hi_key)): the latter draws error bars from row[lo_key] to row[hi_key] (e.g. the
+    q20 / q80 of a median). Missing values draw no bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases: dict[str, list[dict]] = {}
+    for r in rows:
+        cases.setdefault(case_of(r), []).append(r)
+    n_methods = max((len(v) for v in cases.values()), default=1)
+    height = 0.9 + 0.28 * n_methods
+    fig, axes = plt.subplots(
+        len(cases),
+        len(panels),
+        figsize=(5.5 * len(panels), height * len(cases)),
+        squeeze=False,
+    )
+    for i, (case, case_rows) in enumerate(cases.items()):
+        names = [str(r[label]) for r in case_rows][::-1]
+        for j, panel in enumerate(panels):
+            key, axis_label = panel[0], panel[1]
+            err_keys = panel[2] if len(panel) > 2 else None
+            ax = axes[i][j]
+            vals = [r.get(key) for r in case_rows][::-1]
+            xs = [v if v is not None else 0.0 for v in vals]
+            xerr = None
+            if err_keys is not None:
+                lo = [r.get(err_keys[0]) for r in case_rows][::-1]
+                hi = [r.get(err_keys[1]) for r in case_rows][::-1]
+                xerr = [
+                    [max(x - (a if a is not None else x), 0.0) for x, a in zip(xs, lo)],
+                    [max((b if b is not None else x) - x, 0.0) for x, b in zip(xs, hi)],
+                ]
+            colors = [f"C{k % 10}" for k in range(len(names))][::-1]
+            bars = ax.barh(names, xs, xerr=xerr, color=colors, capsize=3)
+            ax.bar_label(bars, labels=[_short(v) for v in vals], padding=3, fontsize=7)
+            ax.set_xlabel(axis_label, fontsize=8)
+            ax.tick_params(axis="both", labelsize=7)
+            ax.set_title(case, fontsize=8)
+            ax.margins(x=0.2)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def cpu_rates(numel: int = 1 << 26, rep: int = 5) -> dict:
+    """This CPU's measured floors, with torch's current thread count (medians of `rep` runs):
+
+    copy_GBs      dst.copy_(src) of `numel` fp32 (bytes read + bytes written) / time
+    exp_per_s     torch.exp(src, out=dst) on `numel` fp32: elements per second
+    The default 2**26 elements (256 MB per tensor) is far larger than the caches."""
+    src = torch.randn(numel)
+    dst = torch.empty(numel)
+    dst.copy_(src)  # page in
+    copy = time_fn(lambda: dst.copy_(src), warmup=1, rep=rep)["median"]
+    exp = time_fn(lambda: torch.exp(src, out=dst), warmup=1, rep=rep)["median"]
+    return {
+        "copy_GBs": 2 * numel * 4 / 1e9 / (copy / 1e3),
+        "exp_per_s": numel / (exp / 1e3),
+        "rates_numel": numel,
+        "rates_threads": torch.get_num_threads(),
+        "rates_method": "median of perf_counter runs: dst.copy_(src) (2 * 4 bytes / element) "
+        "and torch.exp(src, out=dst), fp32",
+    }
+
+
+class _NoBar:
+    def __init__(self, *a, **k):
+        pass
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s="", refresh=True):
+        pass
+
+    def write(self, s):
+        print(s, file=sys.stderr, flush=True)
+
+    def close(self):
+        pass
+
+
+def progress(total: int, desc: str = "", disable: bool = False):
+    """A tqdm progress bar on stderr over `total` runs (a silent stand-in without tqdm)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return _NoBar()
+    return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=True)

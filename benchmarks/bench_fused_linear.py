@@ -1,166 +1,497 @@
-"""Benchmark: fastrl.fused_linear_policy_loss vs lm_head matmul + policy loss, forward + backward.
+"""Benchmark: the GRPO loss from the last hidden states and the LM-head weight, forward + backward
+(gradients of the hidden states and the weight), side by side in one run.
 
-    python benchmarks/bench_fused_linear.py                 # CPU: N=2048, H=512, V=32000, fp32
-    python benchmarks/bench_fused_linear.py --device cuda   # N=16384, H=4096, V=151936, bf16
+    python benchmarks/bench_fused_linear.py            # CPU: N = 2048, 4096 x H = 512, 1024,
+                                                       # V = 32000; fp32 and bf16
+    python benchmarks/bench_fused_linear.py --quick    # tiny smoke run (seconds)
+    python benchmarks/bench_fused_linear.py --N 4096 --H 2048 --V 151936 --dtype bf16
 
-Methods (GRPO preset, gradients w.r.t. the hidden states and the lm_head weight):
-  fused-linear   fastrl.fused_linear_policy_loss(hidden, weight, ...): row chunks, never (N, V)
-  linear+fused   logits = hidden @ weight.T, then fastrl.policy_loss (the (N, V) logits and
-                 their gradient exist)
-  linear+eager   logits = hidden @ weight.T, then the eager reference
-Reported: median and q20/q80 time; TFLOP/s against the nominal 6 N H V of one forward matmul
-and its two gradient matmuls (the fused path recomputes the logits once more, 8 N H V in all,
-and is still charged 6); peak memory above the inputs (CPU: a child process, see _common.py;
-CUDA: max_memory_allocated). Results: benchmarks/results/bench_fused_linear_<device>.*
+Workload: hidden (B, T, H) with T = --T (256) tokens per sequence, N = B * T; weight (V, H) /
+sqrt(H); hidden, weight and every GEMM in the row's dtype; the GRPO loss of
+LossConfig.grpo() (clip 0.2 / 0.2, k3 KL beta 0.04, seq-mean-token-mean = TRL's
+loss_type="grpo"); old / reference log-probs fp32 near the policy's; every position valid
+(mask of ones) except in the 90 %-masked rows. All methods get the same inputs and compute the
+same loss (each row records its value).
+
+Rows (methods):
+  linear_logprobs+grpo  fastrl.linear_logprobs(hidden, weight, tokens, entropy=True, mask=...)
+                        then TRL's GRPO math in plain torch: fastrl as the log-prob op under a
+                        trainer's own loss
+  fastrl-fused-linear   fastrl.fused_linear_policy_loss(...): per row chunk one GEMM for the
+                        logits, the loss terms and dL/dz in one pass, then the two gradient GEMMs
+  gemm-floor            the three bare GEMMs of the same shapes and dtype, timed together:
+                        h @ W.T -> (N, V), g @ W -> (N, H), g.T @ h -> (V, H), outputs
+                        preallocated (its peak memory is therefore ~0 and not comparable): the
+                        floor of any fused-linear loss
+  matmul+fastrl         logits = h @ W.T materialised, then fastrl.policy_loss
+  matmul+trl-eager      logits = h @ W.T, then the TRL-style eager loss (selective_log_softmax,
+                        entropy metric under no_grad, TRL GRPO math): THE MEMORY BASELINE
+  trl-chunked           TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py), called
+                        as GRPOTrainer's fused LM head calls it off CUDA (outputs log_probs and
+                        entropy), then TRL's GRPO math
+  liger-fused-linear    liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(loss_type="grpo",
+                        beta 0.04, eps 0.2, defaults otherwise: compiled loss math, chunk_size 1)
+                        on its torch path; skipped with a note when it cannot be imported
+  <fastrl row> (90% masked)   the two fastrl rows with only the first 10 % of every sequence's
+                        positions valid (prompt / padding positions cost no GEMM work there)
+
+Reported per row: total_ms (forward + backward, median, q20, q80); TFLOP/s = 6 N H V / total
+time (nominal: the forward GEMM and the two gradient GEMMs, charged the same for every row,
+masked rows included); x_gemm_floor = total / the gemm-floor row of the same shape and dtype;
+peak_MB (CPU: resident-set high-water mark in a child process per shape and dtype; CUDA:
+max_memory_allocated; see benchmarks/_common.py); memory_vs_matmul_trl_eager; for the masked
+rows vs_unmasked = total / the same method's unmasked total.
+Repetitions (CPU): 1 warm-up (after the memory child's and the loss-value call) and 7 timed
+calls; rows whose warm-up call takes more than --slow-ms (2500 ms) get --slow-rep (5) timed
+calls. On CUDA --warmup / --rep are milliseconds for do_bench.
+Results: <out>/bench_fused_linear_<device>.{json,csv,png}; `python benchmarks/report.py --readme`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
+import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")  # Dynamo tracing TRL's helpers
+from _baselines import (  # noqa: E402
+    BETA,
+    EPS_HIGH,
+    EPS_LOW,
+    make_trl_eager_loss,
+    trl_chunked_logprobs,
+    trl_grpo_math,
+)
 from _common import (  # noqa: E402
     RESULTS_DIR,
     device_info,
     memory_in_child,
     peak_memory,
-    plot_bars,
+    plot_cases,
+    progress,
     time_fn,
     write_results,
 )
 
 import fastrl  # noqa: E402
-from fastrl import reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLOOR = "gemm-floor"
+MEM_BASELINE = "matmul+trl-eager"
+MASKED = " (90% masked)"
+METHODS = (
+    "linear_logprobs+grpo",
+    "fastrl-fused-linear",
+    FLOOR,
+    "matmul+fastrl",
+    MEM_BASELINE,
+    "trl-chunked",
+    "liger-fused-linear",
+    "masked",  # the two fastrl rows on the 90 %-masked batch
+)
+CPU_SHAPES = [(2048, 512), (2048, 1024), (4096, 512), (4096, 1024)]  # (N, H)
+CUDA_SHAPES = [(16384, 4096)]
+QUICK_SHAPES = [(64, 32)]
+DEFAULT_N, DEFAULT_H = 2048, 512
 
 
-def make_inputs(N, H, V, dtype, device, seed=0):
+def make_inputs(N, H, V, T, dtype, device, seed=0):
+    """hidden (B, T, H), weight (V, H), and the loss inputs (tokens, advantages, old / ref
+    log-probs, an all-ones mask and a 90 %-masked one)."""
+    T = min(T, N)
+    if N % T:
+        raise SystemExit(f"N = {N} is not a multiple of T = {T} (--T)")
+    B = N // T
     g = torch.Generator(device="cpu").manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g).to(device, dtype)
+    hidden = torch.randn(B, T, H, generator=g).to(device, dtype)
     weight = (torch.randn(V, H, generator=g) / H**0.5).to(device, dtype)
-    tokens = torch.randint(0, V, (1, N), generator=g).to(device)
+    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
     with torch.no_grad():
-        logp = fastrl.logprobs((hidden @ weight.T)[None], tokens)
-    rest = dict(
+        logp = fastrl.linear_logprobs(hidden, weight, tokens)
+    keep = max(1, T // 10)
+    masked = (torch.arange(T)[None, :] < keep).expand(B, T).contiguous().to(device)
+    loss_inputs = dict(
         tokens=tokens,
-        advantages=torch.randn(1, N, generator=g).to(device),
-        old_logp=logp + 0.05 * torch.randn(1, N, generator=g).to(device),
-        ref_logp=logp + 0.05 * torch.randn(1, N, generator=g).to(device),
+        advantages=torch.randn(B, generator=g).to(device),
+        old_logp=logp + 0.05 * torch.randn(B, T, generator=g).to(device),
+        ref_logp=logp + 0.05 * torch.randn(B, T, generator=g).to(device),
     )
-    return hidden[None], weight, rest
+    full = torch.ones(B, T, dtype=torch.bool, device=device)
+    return hidden, weight, loss_inputs, full, masked
 
 
-def methods(rest):
-    cfg = fastrl.LossConfig.grpo(agg="token-mean")
-    return {
-        "fused-linear": lambda h, w: fastrl.fused_linear_policy_loss(h, w, **rest, config=cfg).loss,
-        "linear+fused": lambda h, w: fastrl.policy_loss(h @ w.T, **rest, config=cfg).loss,
-        "linear+eager": lambda h, w: reference.policy_loss(h @ w.T, **rest, config=cfg).loss,
-    }
+def build_methods(hidden, weight, li, full, masked, args, notes):
+    """name -> step(h, w): one forward + backward (gradients into h.grad / w.grad); returns the
+    loss (a tensor) or None for the GEMM floor."""
+    cfg = fastrl.LossConfig.grpo()
+    tok, adv, old, ref = li["tokens"], li["advantages"], li["old_logp"], li["ref_logp"]
+    wanted = set(args.methods.split(",")) if args.methods else set(METHODS)
+    trl_eager = make_trl_eager_loss()
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+
+    def loss_step(loss_fn):
+        def step(h, w):
+            loss = loss_fn(h, w)
+            loss.backward()
+            return loss
+
+        return step
+
+    def lp_grpo(mask):
+        def f(h, w):
+            logp, _entropy = fastrl.linear_logprobs(h, w, tok, entropy=True, mask=mask)
+            return trl_grpo_math(logp, old, ref, adv, mask)
+
+        return f
+
+    def fused(mask):
+        return lambda h, w: (
+            fastrl.fused_linear_policy_loss(h, w, tok, adv, old, ref, mask, config=cfg).loss
+        )
+
+    methods = {}
+    if "linear_logprobs+grpo" in wanted:
+        methods["linear_logprobs+grpo"] = loss_step(lp_grpo(full))
+    if "fastrl-fused-linear" in wanted:
+        methods["fastrl-fused-linear"] = loss_step(fused(full))
+    if FLOOR in wanted:
+        dtype, device = hidden.dtype, hidden.device
+        g_buf = torch.empty(B * T, V, dtype=dtype, device=device).normal_(0.0, 1e-3)  # dL/dz
+        z_out = torch.empty(B * T, V, dtype=dtype, device=device)
+        dh_out = torch.empty(B * T, H, dtype=dtype, device=device)
+        dw_out = torch.empty(V, H, dtype=dtype, device=device)
+
+        def floor(h, w):
+            h2 = h.detach().reshape(-1, H)
+            w2 = w.detach()
+            torch.mm(h2, w2.t(), out=z_out)  # logits
+            torch.mm(g_buf, w2, out=dh_out)  # dL/dh
+            torch.mm(g_buf.t(), h2, out=dw_out)  # dL/dW
+            return None
+
+        methods[FLOOR] = floor
+    if "matmul+fastrl" in wanted:
+        methods["matmul+fastrl"] = loss_step(
+            lambda h, w: fastrl.policy_loss(h @ w.t(), tok, adv, old, ref, full, config=cfg).loss
+        )
+    if MEM_BASELINE in wanted:
+        methods[MEM_BASELINE] = loss_step(
+            lambda h, w: trl_eager(h @ w.t(), tok, adv, old, ref, full)[0]
+        )
+    if "trl-chunked" in wanted:
+
+        def chunked(h, w):
+            logp, _entropy = trl_chunked_logprobs(h, w, tok, full)
+            return trl_grpo_math(logp, old, ref, adv, full)
+
+        methods["trl-chunked"] = loss_step(chunked)
+    if "liger-fused-linear" in wanted and not args.no_liger:
+        try:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            liger = LigerFusedLinearGRPOLoss(
+                beta=BETA,
+                epsilon_low=EPS_LOW,
+                epsilon_high=EPS_HIGH,
+                loss_type="grpo",
+                temperature=1.0,
+                use_ref_model=True,
+            )
+
+            def liger_loss(h, w):
+                out = liger(h, w, tok, full, adv, ref_per_token_logps=ref, old_per_token_logps=old)
+                return out[0] if isinstance(out, tuple) else out
+
+            methods["liger-fused-linear"] = loss_step(liger_loss)
+        except Exception as e:  # pragma: no cover - depends on the install
+            notes["liger-fused-linear"] = f"skipped: liger-kernel unavailable ({e})"[:300]
+    if "masked" in wanted:
+        if "linear_logprobs+grpo" in wanted:
+            methods["linear_logprobs+grpo" + MASKED] = loss_step(lp_grpo(masked))
+        if "fastrl-fused-linear" in wanted:
+            methods["fastrl-fused-linear" + MASKED] = loss_step(fused(masked))
+    return methods
 
 
-def run(name, fn, hidden, weight, args, device, mem):
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+def leaves(hidden, weight):
+    return hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+
+def measure_memory(step, hidden, weight, device):
+    """Peak memory of one forward + backward (after a warm-up call)."""
+    h, w = leaves(hidden, weight)
+    step(h, w)  # warm-up (compilation, page-in)
+    h.grad = w.grad = None
+    gc.collect()
+
+    def once():
+        h.grad = w.grad = None
+        step(h, w)
+
+    return peak_memory(once, device)
+
+
+def run(name, step, hidden, weight, case, args, device, mem):
+    """One row: time, TFLOP/s and memory of `name` on `case`."""
+    N, H, V, dtype = case
+    h, w = leaves(hidden, weight)
+    if mem is None:
+        mem = measure_memory(step, hidden, weight, device)
+    t0 = time.perf_counter()
+    loss = step(h, w)  # also the first warm-up call
+    first_ms = (time.perf_counter() - t0) * 1e3
+    loss_value = None if loss is None else float(loss.detach().float())
 
     def fwd_bwd():
         h.grad = w.grad = None
-        fn(h, w).backward()
+        step(h, w)
 
-    if mem is None:
-        fwd_bwd()
-        mem = peak_memory(fwd_bwd, device)
-    t = time_fn(fwd_bwd, warmup=args.warmup, rep=args.rep, device=device)
-    flops = 6 * args.N * args.H * args.V
-    return {
+    slow = device.type != "cuda" and first_ms > args.slow_ms
+    warmup = max(args.warmup - 1, 0) if device.type != "cuda" else args.warmup
+    rep = min(args.slow_rep, args.rep) if slow else args.rep
+    t = time_fn(fwd_bwd, warmup=warmup, rep=rep, device=device)
+    flops = 6 * N * H * V
+    itemsize = DTYPES[dtype].itemsize
+    row = {
         "method": name,
-        "N": args.N,
-        "H": args.H,
-        "V": args.V,
-        "dtype": args.dtype,
+        "role": "floor"
+        if name == FLOOR
+        else "baseline"
+        if name == MEM_BASELINE
+        else "fastrl"
+        if name.startswith(("fastrl", "linear_logprobs", "matmul+fastrl"))
+        else "other",
+        "N": N,
+        "H": H,
+        "V": V,
+        "B": hidden.shape[0],
+        "T": hidden.shape[1],
+        "dtype": dtype,
+        "masked_frac": 0.9 if name.endswith(MASKED) else 0.0,
+        "warmup": warmup + 1,
+        "rep": rep,
         "total_ms": t["median"],
         "total_ms_q20": t["q20"],
         "total_ms_q80": t["q80"],
         "TFLOPs": flops / 1e12 / (t["median"] / 1e3),
         "peak_MB": mem["bytes"] / 2**20,
-        "logits_MB": args.N * args.V * hidden.element_size() / 2**20,
-    }, mem["method"]
+        "logits_MB": N * V * itemsize / 2**20,
+        "loss": loss_value,
+    }
+    return row, mem["method"]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="bench_fused_linear.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p.add_argument(
+        "--N",
+        type=int,
+        default=None,
+        help=f"tokens; giving --N or --H runs that one shape (missing: N={DEFAULT_N}, "
+        f"H={DEFAULT_H}) instead of the default list",
+    )
+    p.add_argument("--H", type=int, default=None, help="hidden size (one shape run)")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="comma list of NxH shapes (default CPU: "
+        + ",".join("x".join(map(str, s)) for s in CPU_SHAPES)
+        + "; CUDA: "
+        + ",".join("x".join(map(str, s)) for s in CUDA_SHAPES)
+        + ")",
+    )
+    p.add_argument("--V", type=int, default=None, help="vocabulary (default 32000; 151936 on CUDA)")
+    p.add_argument("--T", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help=f"comma list from {','.join(DTYPES)} (default fp32,bf16 on CPU, bf16 on CUDA)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="CPU: untimed calls before the timing, the loss-value call included (default 1); "
+        "CUDA: ms for do_bench (25)",
+    )
+    p.add_argument(
+        "--rep",
+        type=int,
+        default=None,
+        help="CPU: timed calls (default 7); CUDA: ms for do_bench (100)",
+    )
+    p.add_argument(
+        "--slow-rep",
+        type=int,
+        default=5,
+        help="CPU: timed calls for rows whose first call exceeds --slow-ms (default 5)",
+    )
+    p.add_argument(
+        "--slow-ms", type=float, default=2500.0, help="CPU: see --slow-rep (default 2500)"
+    )
+    p.add_argument(
+        "--methods",
+        default="",
+        help="comma list of rows to run: " + ",".join(METHODS) + " ('masked' = the two "
+        "fastrl rows on the 90%%-masked batch, needs those rows)",
+    )
+    p.add_argument("--no-liger", action="store_true", help="skip the liger-fused-linear row")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: N=64, H=32, V=512, T=16, fp32 and bf16, 1 warm-up and 2 timed "
+        "calls (unless --warmup / --rep / --V / --T say otherwise); for tests",
+    )
+    p.add_argument(
+        "--out",
+        default=str(RESULTS_DIR),
+        help="results folder (default benchmarks/results/); files bench_fused_linear_<device>.*",
+    )
+    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def resolve(args, device, raw_argv):
+    cuda = device.type == "cuda"
+    if args.N is not None or args.H is not None:
+        shapes = [(args.N or DEFAULT_N, args.H or DEFAULT_H)]
+    elif args.shapes:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    elif args.quick:
+        shapes = QUICK_SHAPES
+    else:
+        shapes = CUDA_SHAPES if cuda else CPU_SHAPES
+    if args.V is None:
+        args.V = 512 if args.quick else (151936 if cuda else 32000)
+    if args.quick and not any(a == "--T" or a.startswith("--T=") for a in raw_argv):
+        args.T = 16
+    dtypes = (args.dtype or ("bf16" if cuda else "fp32,bf16")).split(",")
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise SystemExit(f"--dtype: unknown {bad}; choose from {list(DTYPES)}")
+    if args.warmup is None:
+        args.warmup = 25 if cuda else 1
+    if args.rep is None:
+        args.rep = 100 if cuda else (2 if args.quick else 7)
+    return [(n, h, args.V, d) for (n, h) in shapes for d in dtypes]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    p.add_argument("--N", type=int, default=None, help="tokens (default: 2048 cpu, 16384 cuda)")
-    p.add_argument("--H", type=int, default=None, help="hidden size (default: 512 cpu, 4096 cuda)")
-    p.add_argument("--V", type=int, default=None, help="vocabulary (32000 cpu, 151936 cuda)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="fp32 cpu, bf16 cuda")
-    p.add_argument("--warmup", type=int, default=None, help="CPU: calls; CUDA: ms (do_bench)")
-    p.add_argument("--rep", type=int, default=None, help="CPU: timed calls; CUDA: ms (do_bench)")
-    p.add_argument("--out", default=str(RESULTS_DIR), help="results folder")
-    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(raw_argv)
+    args = build_parser().parse_args(raw_argv)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
     cuda = device.type == "cuda"
-    args.N = args.N or (16384 if cuda else 2048)
-    args.H = args.H or (4096 if cuda else 512)
-    args.V = args.V or (151936 if cuda else 32000)
-    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    args.warmup = args.warmup if args.warmup is not None else (25 if cuda else 1)
-    args.rep = args.rep if args.rep is not None else (100 if cuda else 5)
+    cases = resolve(args, device, raw_argv)
+    notes: dict[str, str] = {}
 
-    hidden, weight, rest = make_inputs(args.N, args.H, args.V, DTYPES[args.dtype], device)
-    if args.memory_only:  # child of a CPU run: {method: peak memory} as one JSON line
-        mems = {}
-        for name, fn in methods(rest).items():
-            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-            fn(h, w).backward()  # warm-up
-            h.grad = w.grad = None
-            mems[name] = peak_memory(lambda h=h, w=w, fn=fn: fn(h, w).backward(), device)
+    if args.memory_only:  # child of a CPU run: {method: peak memory} of its one case, one line
+        (case,) = cases
+        N, H, V, dtype = case
+        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, DTYPES[dtype], device)
+        methods = build_methods(hidden, weight, li, full, masked, args, notes)
+        mems = {
+            name: measure_memory(step, hidden, weight, device) for name, step in methods.items()
+        }
         print(json.dumps(mems))
         return mems
-    mems = {}
-    if not cuda:
-        mems = memory_in_child(Path(__file__).resolve(), raw_argv)
-    rows, mem_method = [], ""
-    for name, fn in methods(rest).items():
-        row, mem_method = run(name, fn, hidden, weight, args, device, mems.get(name))
-        rows.append(row)
-        print(
-            f"{name:13s} {row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
-            f"{row['total_ms_q80']:.1f}]  {row['TFLOPs']:.3f} TFLOP/s  "
-            f"peak {row['peak_MB']:.0f} MB",
-            flush=True,
-        )
+
     info = device_info(device)
+    probe = make_inputs(16, 8, 32, 16, torch.float32, device)
+    n_methods = len(build_methods(*probe, args, {}))
+    bar = progress(len(cases) * n_methods, "bench_fused_linear", disable=args.no_progress)
+    rows, mem_method = [], ""
+    for case in cases:
+        N, H, V, dtype = case
+        label = f"N={N} H={H} V={V} {dtype}"
+        mems = {}
+        if not cuda:
+            bar.set_postfix_str(f"{label}: peak memory (child process)")
+            child_argv = [*raw_argv, "--N", str(N), "--H", str(H), "--V", str(V), "--dtype", dtype]
+            child_argv += ["--T", str(args.T)]
+            mems = memory_in_child(Path(__file__).resolve(), child_argv)
+        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, DTYPES[dtype], device)
+        methods = build_methods(hidden, weight, li, full, masked, args, notes)
+        case_rows = []
+        for name, step in methods.items():
+            bar.set_postfix_str(f"{label}: {name}")
+            row, mem_method = run(name, step, hidden, weight, case, args, device, mems.get(name))
+            case_rows.append(row)
+            bar.update()
+            bar.write(
+                f"{label:26s} {name:36s} {row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
+                f"{row['total_ms_q80']:.1f}]  {row['TFLOPs']:.3f} TFLOP/s  "
+                f"peak {row['peak_MB']:.0f} MB"
+            )
+        floor = next((r for r in case_rows if r["method"] == FLOOR), None)
+        base = next((r for r in case_rows if r["method"] == MEM_BASELINE), None)
+        by_name = {r["method"]: r for r in case_rows}
+        for r in case_rows:
+            r["x_gemm_floor"] = r["total_ms"] / floor["total_ms"] if floor else None
+            r["memory_vs_matmul_trl_eager"] = (
+                r["peak_MB"] / base["peak_MB"] if base and base["peak_MB"] > 0 else None
+            )
+            unmasked = by_name.get(r["method"][: -len(MASKED)]) if r["masked_frac"] else None
+            r["vs_unmasked"] = r["total_ms"] / unmasked["total_ms"] if unmasked else None
+        rows += case_rows
+        del hidden, weight, li, methods
+        gc.collect()
+    bar.close()
+    for why in notes.values():
+        print(why, file=sys.stderr)
+
     meta = {
         **info,
-        "benchmark": "fused linear policy loss fwd+bwd (grads of hidden and weight), GRPO "
-        "preset with token-mean",
-        "shape": {"N": args.N, "H": args.H, "V": args.V, "dtype": args.dtype},
-        "timing": "triton.testing.do_bench"
+        "benchmark": "GRPO loss from hidden states and the LM-head weight, fwd+bwd (grads of "
+        "hidden and weight); LossConfig.grpo() (clip 0.2/0.2, k3 KL beta 0.04, "
+        "seq-mean-token-mean)",
+        "cases": [{"N": n, "H": h, "V": v, "dtype": d, "T": args.T} for n, h, v, d in cases],
+        "floor": f"{FLOOR}: h @ W.T, g @ W, g.T @ h with preallocated outputs; x_gemm_floor of "
+        "every row is against it (same shape and dtype)",
+        "memory_baseline": f"{MEM_BASELINE}: logits materialised + TRL-style eager loss",
+        "masked_rows": "first 10 % of every sequence's positions valid, 90 % masked",
+        "timing": "triton.testing.do_bench (ms)"
         if cuda
-        else f"perf_counter, warmup {args.warmup}, rep {args.rep}",
+        else f"perf_counter, warmup {args.warmup} (the loss-value call), rep {args.rep}; rows "
+        f"whose first call exceeds {args.slow_ms:.0f} ms: rep {min(args.slow_rep, args.rep)}",
         "memory_method": mem_method,
-        "nominal_flops": "6 * N * H * V (forward matmul and the two gradient matmuls)",
+        "nominal_flops": "6 * N * H * V (forward GEMM and the two gradient GEMMs), all rows",
+        "threads": torch.get_num_threads(),
+        "notes": notes,
     }
     name = f"bench_fused_linear_{device.type}"
-    paths = write_results(name, rows, meta, Path(args.out))
-    title = f"fused linear policy loss, N={args.N} H={args.H} V={args.V} {args.dtype}"
-    paths["png"] = plot_bars(
-        Path(args.out) / f"{name}.png",
-        rows,
-        "method",
-        [("total_ms", "fwd+bwd time (ms, median)"), ("peak_MB", "peak memory (MB)")],
-        title,
-    )
+    out = Path(args.out)
+    paths = write_results(name, rows, meta, out)
+    if not args.no_plot:
+        paths["png"] = plot_cases(
+            out / f"{name}.png",
+            rows,
+            lambda r: f"N={r['N']}, H={r['H']}, V={r['V']}, {r['dtype']}",
+            "method",
+            [
+                ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80")),
+                ("peak_MB", "peak memory (MB)"),
+            ],
+            f"GRPO loss from hidden states (LM head fused), fwd+bwd; {info['device_name'][:40]}, "
+            f"torch {info['torch']}, commit {str(info['git_commit'])[:7]}",
+        )
     print(paths)
     return rows
 

@@ -1,22 +1,57 @@
-"""Benchmark: fused fastrl.policy_loss vs the eager reference vs torch.compile(reference)
-(vs Liger-Kernel's triton_grpo_loss on CUDA), forward + backward time and peak memory.
+"""Benchmark: the GRPO policy loss on materialised logits, forward + backward, side by side.
 
-    python benchmarks/bench_policy_loss.py                 # CPU default: N=2048, V=32000, fp32
-    python benchmarks/bench_policy_loss.py --device cuda   # N=16384, V=151936, bf16 (+ Liger)
-    python benchmarks/bench_policy_loss.py --help
+    python benchmarks/bench_policy_loss.py            # CPU: N = 2048, 8192 at V = 32000 and
+                                                      # N = 1024 at V = 151936; fp32 and bf16
+    python benchmarks/bench_policy_loss.py --quick    # tiny smoke run (seconds)
+    python benchmarks/bench_policy_loss.py --B 8 --T 512 --V 151936 --dtype bf16   # your shape
+    python benchmarks/bench_policy_loss.py --device cuda                           # + Liger
 
-Workload: GRPO preset (clip 0.2/0.2, k3 KL with beta 0.04, seq-mean-token-mean), B sequences of
-T tokens (N = B*T), logits (B, T, V) in --dtype; old/ref log-probs fp32, a random mask.
-Each method runs forward + backward of the loss w.r.t. the logits. Reported per method:
-  fwd_ms      forward only (graph built, no backward), median and q20/q80
-  total_ms    forward + backward, median and q20/q80;  bwd_ms = total - fwd (medians)
-  peak_MB     peak memory of one forward + backward above the inputs (see benchmarks/_common.py
-              for how it is measured on CPU and CUDA)
-  GBs         nominal logits traffic / total time, the traffic being what the fused path must
-              move: read the logits twice (forward, backward) and write the gradient once,
-              3 * N * V * itemsize bytes; with the device's peak bandwidth when known (H200:
-              4.8 TB/s) as pct_peak. The same nominal bytes are used for every method.
-Results: benchmarks/results/bench_policy_loss_<device>.{json,csv,png}.
+Workload: the GRPO loss (token-level ratio, clip 0.2 / 0.2, k3 KL with beta 0.04,
+seq-mean-token-mean = TRL's loss_type="grpo") over B sequences of T tokens (N = B * T); logits
+(B, T, V) in the row's dtype, old / reference log-probs fp32 near the policy's, random sequence
+lengths in [T / 2, T]. Every method gets the same inputs and differentiates the same loss
+w.r.t. the logits (their values agree; each row records its loss value).
+
+Rows (methods):
+  fastrl               fastrl.policy_loss(..., config=LossConfig.grpo()): dL/dlogits is computed
+                       in the forward; the backward only scales it by grad_output
+  fastrl-inplace       the same with inplace=True: the gradient overwrites the logits buffer (the
+                       timed loop keeps calling it on that buffer; the cost does not depend on the
+                       values)
+  trl-eager            THE BASELINE of every speed-up and memory ratio: what TRL's GRPOTrainer
+                       runs on logits - trl.trainer.utils.selective_log_softmax, the entropy
+                       metric (entropy_from_logits under no_grad, as TRL's compute_entropy=True
+                       path), TRL 1.16's per-token GRPO math (benchmarks/_baselines.py)
+  trl-eager-compiled   torch.compile of that whole trl-eager loss function (compiled once per
+                       shape and dtype; compilation is in the warm-up, not the timings)
+  verl-eager           verl.utils.torch_functional.logprobs_from_logits + verl's per-token math
+                       (compute_policy_loss_vanilla with dual clip, low_var_kl); skipped, with a
+                       printed note, when `import verl` fails
+  reference (oracle)   fastrl.reference.policy_loss: the readable oracle of SPEC.md, shown for
+                       context only - never the baseline of a speed-up; fewer repetitions
+                       (--slow-rep) because it is slow
+  liger                Liger-Kernel's triton_grpo_loss (CUDA only, when installed)
+
+Reported per row:
+  fwd_ms     forward only (autograd graph built, no backward): median, q20, q80
+  total_ms   forward + backward: median, q20, q80
+  bwd_ms     max(total_ms - fwd_ms, 0) of the medians. fastrl computes the gradient inside its
+             forward, so its fwd_ms holds nearly all the work and its bwd_ms is ~0: compare
+             total_ms across methods, not fwd / bwd.
+  peak_MB    peak memory of one forward + backward above the inputs (CPU: resident-set
+             high-water mark in a child process per shape and dtype; CUDA: max_memory_allocated;
+             see benchmarks/_common.py)
+  GBs        nominal traffic / total time, the nominal traffic being the floor of any method:
+             read the logits once and write their gradient once, 2 * N * V * itemsize bytes
+             (the same bytes for every method); pct_bw: against the measured copy bandwidth
+             (CPU) or the device's peak (known GPUs)
+  exp_floor_ratio   (CPU) total_ms / (N * V / measured exp rate): one exp per logit is the floor
+  speedup_vs_trl_eager, memory_vs_trl_eager   against the trl-eager row of the same shape/dtype
+The CPU's copy bandwidth and exp rate are measured at the start and stored in the JSON meta.
+Repetitions (CPU): --warmup 2 and --rep 7 calls per timing by default; the reference oracle row
+--slow-rep 3 (after 1 warm-up). On CUDA --warmup / --rep are milliseconds for do_bench.
+Results: <out>/bench_policy_loss_<device>.{json,csv,png}; `python benchmarks/report.py --readme`
+turns them into the README table.
 """
 
 from __future__ import annotations
@@ -24,18 +59,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
+import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")  # Dynamo tracing TRL's helpers
+from _baselines import make_trl_eager_loss, make_verl_eager_loss  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS_DIR,
+    _quantile,
+    cpu_rates,
     device_info,
     memory_in_child,
     peak_memory,
-    plot_bars,
+    plot_cases,
+    progress,
     time_fn,
     write_results,
 )
@@ -44,11 +88,28 @@ import fastrl  # noqa: E402
 from fastrl import reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BASELINE = "trl-eager"
+ORACLE = "reference (oracle)"
+METHODS = (
+    "fastrl",
+    "fastrl-inplace",
+    "trl-eager",
+    "trl-eager-compiled",
+    "verl-eager",
+    ORACLE,
+    "liger",
+)
+# (B, T, V): N = B * T rows
+CPU_SHAPES = [(16, 128, 32000), (64, 128, 32000), (8, 128, 151936)]
+CUDA_SHAPES = [(64, 128, 32000), (128, 128, 151936)]
+QUICK_SHAPES = [(2, 16, 512)]
+DEFAULT_B, DEFAULT_T, DEFAULT_V = 16, 128, 32000
 
 
 def make_inputs(B, T, V, dtype, device, seed=0):
-    """Logits (B, T + 1, V) (the fused/eager paths use the first T rows, Liger takes all),
-    tokens, advantages (B,), old/ref log-probs (B, T) fp32 near the policy's, a mask."""
+    """Logits (B, T + 1, V) (the methods use the first T rows, Liger takes all), tokens,
+    advantages (B,), old / ref log-probs (B, T) fp32 near the policy's, a mask of random
+    sequence lengths in [T / 2, T]."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     gd = torch.Generator(device=device).manual_seed(seed)
     logits = torch.empty(B, T + 1, V, device=device, dtype=dtype)
@@ -70,26 +131,46 @@ def make_inputs(B, T, V, dtype, device, seed=0):
     )
 
 
-def build_methods(inp, args, device):
-    """name -> (forward(x) -> loss tensor, x: the leaf the backward differentiates)."""
+def build_methods(inp, args, device, notes):
+    """name -> (forward(y) -> loss tensor, base, prepare): x = a leaf copy of base, the tensor the
+    backward differentiates; y = prepare(x) (untimed, unmeasured) or x when prepare is None."""
     cfg = fastrl.LossConfig.grpo()
     T = inp["tokens"].shape[1]
     rest = {k: v for k, v in inp.items() if k != "logits"}
+    r = (rest["tokens"], rest["advantages"], rest["old_logp"], rest["ref_logp"], rest["mask"])
     # by default the loss gets a (B, T, V) tensor; --slice passes the HF-style view [:, :-1] of
     # (B, T+1, V) instead (autograd's slice backward then allocates a full-size gradient too)
     base = inp["logits"] if args.slice else inp["logits"][:, :T].contiguous()
     view = (lambda x: x[:, :T]) if args.slice else (lambda x: x)
+    wanted = set(args.methods.split(",")) if args.methods else set(METHODS)
 
     methods = {}
-    methods["fused"] = lambda x: fastrl.policy_loss(view(x), **rest, config=cfg).loss
-    methods["fused-inplace"] = lambda x: (
-        fastrl.policy_loss(view(x), **rest, config=cfg, inplace=True).loss
-    )
-    methods["eager"] = lambda x: reference.policy_loss(view(x), **rest, config=cfg).loss
-    if not args.no_compile:
-        compiled = torch.compile(reference.policy_loss)
-        methods["compiled"] = lambda x: compiled(view(x), **rest, config=cfg).loss
-    if device.type == "cuda" and not args.no_liger:
+    if "fastrl" in wanted:
+        methods["fastrl"] = lambda x: fastrl.policy_loss(view(x), **rest, config=cfg).loss
+    if "fastrl-inplace" in wanted:
+        # inplace=True refuses the caller's own leaf tensor: it gets what a trainer passes, the
+        # output of an op (here `x + 0`, made outside the timed and measured region)
+        methods["fastrl-inplace"] = (
+            lambda y: fastrl.policy_loss(view(y), **rest, config=cfg, inplace=True).loss,
+            base,
+            lambda x: x + 0,
+        )
+    trl_eager = make_trl_eager_loss()
+    if "trl-eager" in wanted:
+        methods["trl-eager"] = lambda x: trl_eager(view(x), *r)[0]
+    if "trl-eager-compiled" in wanted and not args.no_compile:
+        torch._dynamo.reset()  # a fresh static-shape compilation for every shape and dtype
+        compiled = torch.compile(trl_eager)
+        methods["trl-eager-compiled"] = lambda x: compiled(view(x), *r)[0]
+    if "verl-eager" in wanted and not args.no_verl:
+        verl_eager, why = make_verl_eager_loss()
+        if verl_eager is None:
+            notes["verl-eager"] = f"skipped: `import verl` failed ({why})"[:300]
+        else:
+            methods["verl-eager"] = lambda x: verl_eager(view(x), *r)[0]
+    if ORACLE in wanted and not args.no_reference:
+        methods[ORACLE] = lambda x: reference.policy_loss(view(x), **rest, config=cfg).loss
+    if device.type == "cuda" and "liger" in wanted and not args.no_liger:
         try:
             from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
@@ -113,156 +194,348 @@ def build_methods(inp, args, device):
                 )
                 return loss
 
-            methods["liger"] = (liger, liger_logits)
+            methods["liger"] = (liger, liger_logits, None)
         except Exception as e:  # pragma: no cover - depends on the install
-            print(f"liger-kernel unavailable: {e}", file=sys.stderr)
-    if args.methods:
-        keep = set(args.methods.split(","))
-        methods = {k: v for k, v in methods.items() if k in keep}
-    return {k: (v if isinstance(v, tuple) else (v, base)) for k, v in methods.items()}
+            notes["liger"] = f"skipped: liger-kernel unavailable ({e})"[:300]
+    return {k: (v if isinstance(v, tuple) else (v, base, None)) for k, v in methods.items()}
 
 
-def measure_memory(forward, base, device):
+def measure_memory(forward, base, prepare, device):
     """Peak memory of one forward + backward (after a warm-up call)."""
     x = base.detach().clone().requires_grad_()
+    prepare = prepare or (lambda t: t)
 
-    def fwd_bwd():
+    def fwd_bwd(y):
         x.grad = None
-        forward(x).backward()
+        forward(y).backward()
 
-    fwd_bwd()  # warm-up (compilation, Triton JIT, page-in)
+    fwd_bwd(prepare(x))  # warm-up (compilation, Triton JIT, page-in)
     x.grad = None
+    y = prepare(x)
     gc.collect()
-    return peak_memory(fwd_bwd, device)
+    return peak_memory(lambda: fwd_bwd(y), device)
 
 
-def bench_method(name, forward, base, args, device, mem):
+def time_prepared(prepare, fn, warmup, rep, device):
+    """time_fn(lambda: fn(prepare())) with prepare() outside the timed region: median, q20, q80
+    in ms. CPU: warmup + rep calls; CUDA: warmup / rep are milliseconds as for do_bench (the
+    number of calls follows from a first call), each call timed by CUDA events."""
+    if device.type != "cuda":
+        return _time_loop(prepare, fn, warmup, rep, device)
+    fn(prepare())
+    torch.cuda.synchronize(device)
+    est = _time_loop(prepare, fn, 0, 1, device)["median"]
+    n_warm = max(1, int(warmup / max(est, 1e-3)))
+    n_rep = max(5, int(rep / max(est, 1e-3)))
+    return _time_loop(prepare, fn, n_warm, min(n_rep, 1000), device)
+
+
+def _time_loop(prepare, fn, warmup, rep, device):
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        fn(prepare())
+    times = []
+    for _ in range(rep):
+        arg = prepare()
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(arg)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(arg)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "median": statistics.median(times),
+        "q20": _quantile(times, 0.2),
+        "q80": _quantile(times, 0.8),
+    }
+
+
+def bench_method(name, method, case, args, device, mem, rates):
+    """One row: fwd and fwd+bwd timings, memory, traffic and floors of `name` on `case`."""
+    forward, base, prepare = method
+    B, T, V, dtype = case
     x = base.detach().clone().requires_grad_()
+    loss_value = float(forward(prepare(x) if prepare else x).detach().float())
 
-    def fwd_bwd():
+    def fwd_bwd(y):
         x.grad = None
-        forward(x).backward()
+        forward(y).backward()
 
-    def fwd_only():
-        forward(x)
+    def fwd_only(y):
+        forward(y)
 
     if mem is None:
-        mem = measure_memory(forward, base, device)
+        mem = measure_memory(forward, base, prepare, device)
+    slow = name == ORACLE and device.type != "cuda"
+    warmup = min(args.warmup, 1) if slow else args.warmup
+    rep = min(args.slow_rep, args.rep) if slow else args.rep
     x.grad = None
-    t_total = time_fn(fwd_bwd, warmup=args.warmup, rep=args.rep, device=device)
+    if prepare is None:
+        t_total = time_fn(lambda: fwd_bwd(x), warmup=warmup, rep=rep, device=device)
+        x.grad = None
+        t_fwd = time_fn(lambda: fwd_only(x), warmup=warmup, rep=rep, device=device)
+    else:
+        t_total = time_prepared(lambda: prepare(x), fwd_bwd, warmup, rep, device)
+        x.grad = None
+        t_fwd = time_prepared(lambda: prepare(x), fwd_only, warmup, rep, device)
     x.grad = None
-    t_fwd = time_fn(fwd_only, warmup=args.warmup, rep=args.rep, device=device)
-    N, V = args.B * args.T, args.V
-    nominal = 3 * N * V * base.element_size()
+    N = B * T
+    itemsize = DTYPES[dtype].itemsize
+    nominal = 2 * N * V * itemsize
     row = {
         "method": name,
-        "B": args.B,
-        "T": args.T,
+        "role": "baseline"
+        if name == BASELINE
+        else "oracle"
+        if name == ORACLE
+        else "fastrl"
+        if name.startswith("fastrl")
+        else "other",
+        "B": B,
+        "T": T,
         "N": N,
         "V": V,
-        "dtype": args.dtype,
+        "dtype": dtype,
+        "warmup": warmup,
+        "rep": rep,
         "fwd_ms": t_fwd["median"],
         "fwd_ms_q20": t_fwd["q20"],
         "fwd_ms_q80": t_fwd["q80"],
         "total_ms": t_total["median"],
         "total_ms_q20": t_total["q20"],
         "total_ms_q80": t_total["q80"],
-        "bwd_ms": t_total["median"] - t_fwd["median"],
+        "bwd_ms": max(t_total["median"] - t_fwd["median"], 0.0),
+        "fwd_includes_grad": name.startswith("fastrl"),
         "peak_MB": mem["bytes"] / 2**20,
-        "logits_MB": N * V * base.element_size() / 2**20,
+        "logits_MB": N * V * itemsize / 2**20,
         "nominal_GB": nominal / 1e9,
         "GBs": nominal / 1e9 / (t_total["median"] / 1e3),
+        "loss": loss_value,
     }
+    peak_bw = rates.get("copy_GBs") or rates.get("peak_bandwidth_GBs")
+    row["pct_bw"] = 100 * row["GBs"] / peak_bw if peak_bw else None
+    if rates.get("exp_per_s"):
+        row["exp_floor_ms"] = N * V / rates["exp_per_s"] * 1e3
+        row["exp_floor_ratio"] = row["total_ms"] / row["exp_floor_ms"]
     return row, mem["method"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    p.add_argument("--B", type=int, default=None, help="sequences (default: 16 cpu, 128 cuda)")
-    p.add_argument("--T", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument(
-        "--V", type=int, default=None, help="vocabulary (default: 32000 cpu, 151936 cuda)"
-    )
-    p.add_argument(
-        "--dtype", choices=list(DTYPES), default=None, help="default: fp32 cpu, bf16 cuda"
-    )
-    p.add_argument("--warmup", type=int, default=None, help="CPU: calls; CUDA: ms (do_bench)")
-    p.add_argument("--rep", type=int, default=None, help="CPU: timed calls; CUDA: ms (do_bench)")
-    p.add_argument(
-        "--methods", default="", help="comma list of fused,fused-inplace,eager,compiled,liger"
-    )
-    p.add_argument("--slice", action="store_true", help="pass logits[:, :-1] views (HF style)")
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
-    p.add_argument("--no-liger", action="store_true", help="skip Liger-Kernel on CUDA")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--out", default=str(RESULTS_DIR), help="results folder")
-    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
-    raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(raw_argv)
+def parse_shapes(text):
+    """ "16x128x32000,64x128x32000" -> [(16, 128, 32000), (64, 128, 32000)]."""
+    out = []
+    for part in filter(None, text.split(",")):
+        b, t, v = (int(s) for s in part.lower().split("x"))
+        out.append((b, t, v))
+    return out
 
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="bench_policy_loss.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p.add_argument(
+        "--B",
+        type=int,
+        default=None,
+        help=f"sequences; giving any of --B/--T/--V runs that one shape (missing ones: "
+        f"B={DEFAULT_B}, T={DEFAULT_T}, V={DEFAULT_V}) instead of the default list",
+    )
+    p.add_argument("--T", type=int, default=None, help="tokens per sequence (one shape run)")
+    p.add_argument("--V", type=int, default=None, help="vocabulary size (one shape run)")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="comma list of BxTxV shapes, e.g. 16x128x32000,8x128x151936 (default CPU: "
+        + ",".join("x".join(map(str, s)) for s in CPU_SHAPES)
+        + "; CUDA: "
+        + ",".join("x".join(map(str, s)) for s in CUDA_SHAPES)
+        + ")",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help=f"comma list of logits dtypes from {','.join(DTYPES)} (default: fp32,bf16 on CPU, "
+        "bf16,fp32 on CUDA)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="CPU: untimed calls before each timing (default 2); CUDA: ms for do_bench (25)",
+    )
+    p.add_argument(
+        "--rep",
+        type=int,
+        default=None,
+        help="CPU: timed calls per timing (default 7); CUDA: ms for do_bench (100)",
+    )
+    p.add_argument(
+        "--slow-rep",
+        type=int,
+        default=3,
+        help="CPU: timed calls of the slow reference-oracle row (default 3, after 1 warm-up)",
+    )
+    p.add_argument("--methods", default="", help="comma list of rows to run: " + ",".join(METHODS))
+    p.add_argument(
+        "--slice",
+        action="store_true",
+        help="pass the HF-style view logits[:, :-1] of (B, T+1, V) instead of a (B, T, V) tensor",
+    )
+    p.add_argument("--no-compile", action="store_true", help="skip the trl-eager-compiled row")
+    p.add_argument("--no-verl", action="store_true", help="skip the verl-eager row")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference (oracle) row")
+    p.add_argument("--no-liger", action="store_true", help="skip Liger-Kernel on CUDA")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: shape " + "x".join(map(str, QUICK_SHAPES[0])) + ", fp32 and bf16, "
+        "1 warm-up and 2 timed calls (unless --warmup / --rep say otherwise); for tests",
+    )
+    p.add_argument(
+        "--out",
+        default=str(RESULTS_DIR),
+        help="results folder (default benchmarks/results/); files bench_policy_loss_<device>.*",
+    )
+    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def resolve(args, device):
+    """Fill the defaults that depend on the device and on --quick; returns the case list."""
+    cuda = device.type == "cuda"
+    if args.B is not None or args.T is not None or args.V is not None:
+        shapes = [(args.B or DEFAULT_B, args.T or DEFAULT_T, args.V or DEFAULT_V)]
+    elif args.shapes:
+        shapes = parse_shapes(args.shapes)
+    elif args.quick:
+        shapes = QUICK_SHAPES
+    else:
+        shapes = CUDA_SHAPES if cuda else CPU_SHAPES
+    dtypes = (args.dtype or ("bf16,fp32" if cuda else "fp32,bf16")).split(",")
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise SystemExit(f"--dtype: unknown {bad}; choose from {list(DTYPES)}")
+    if args.warmup is None:
+        args.warmup = 25 if cuda else (1 if args.quick else 2)
+    if args.rep is None:
+        args.rep = 100 if cuda else (2 if args.quick else 7)
+    return [(b, t, v, d) for (b, t, v) in shapes for d in dtypes]
+
+
+def case_argv(raw_argv, case):
+    B, T, V, dtype = case
+    return [*raw_argv, "--B", str(B), "--T", str(T), "--V", str(V), "--dtype", dtype]
+
+
+def main(argv=None):
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw_argv)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
     cuda = device.type == "cuda"
-    args.B = args.B or (128 if cuda else 16)
-    args.V = args.V or (151936 if cuda else 32000)
-    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    args.warmup = args.warmup if args.warmup is not None else (25 if cuda else 2)
-    args.rep = args.rep if args.rep is not None else (100 if cuda else 5)
+    cases = resolve(args, device)
+    notes: dict[str, str] = {}
 
-    info = device_info(device)
-    inp = make_inputs(args.B, args.T, args.V, DTYPES[args.dtype], device)
-    methods = build_methods(inp, args, device)
-    if args.memory_only:  # child process of a CPU run: print {method: peak} as one JSON line
-        mems = {name: measure_memory(fwd, base, device) for name, (fwd, base) in methods.items()}
+    if args.memory_only:  # child of a CPU run: {method: peak memory} of its one case, one line
+        (case,) = cases
+        B, T, V, dtype = case
+        inp = make_inputs(B, T, V, DTYPES[dtype], device)
+        methods = build_methods(inp, args, device, notes)
+        mems = {name: measure_memory(*m, device) for name, m in methods.items()}
         print(json.dumps(mems))
         return mems
-    mems = {}
+
+    info = device_info(device)
+    rates = {"peak_bandwidth_GBs": info["peak_bandwidth_GBs"]}
     if not cuda:
-        print("measuring peak memory in a child process ...", file=sys.stderr, flush=True)
-        mems = memory_in_child(Path(__file__).resolve(), raw_argv)
+        print("measuring the CPU's copy bandwidth and exp rate ...", file=sys.stderr, flush=True)
+        rates.update(cpu_rates(1 << 22 if args.quick else 1 << 26))
+    n_methods = len(build_methods(make_inputs(1, 2, 8, torch.float32, device), args, device, {}))
+    bar = progress(len(cases) * n_methods, "bench_policy_loss", disable=args.no_progress)
     rows, mem_method = [], ""
-    for name, (forward, base) in methods.items():
-        print(f"[{name}] running ...", file=sys.stderr, flush=True)
-        row, mem_method = bench_method(name, forward, base, args, device, mems.get(name))
-        if info["peak_bandwidth_GBs"]:
-            row["pct_peak_bw"] = 100 * row["GBs"] / info["peak_bandwidth_GBs"]
-        rows.append(row)
-        print(
-            f"{name:14s} fwd {row['fwd_ms']:9.1f} ms  total {row['total_ms']:9.1f} ms "
-            f"[{row['total_ms_q20']:.1f}, {row['total_ms_q80']:.1f}]  peak {row['peak_MB']:8.1f} MB"
-            f"  {row['GBs']:7.1f} GB/s",
-            flush=True,
-        )
-    eager = next((r for r in rows if r["method"] == "eager"), None)
-    if eager:
-        for r in rows:
-            r["speedup_vs_eager"] = eager["total_ms"] / r["total_ms"]
-            r["memory_vs_eager"] = r["peak_MB"] / eager["peak_MB"] if eager["peak_MB"] else None
+    for case in cases:
+        B, T, V, dtype = case
+        label = f"N={B * T} V={V} {dtype}"
+        mems = {}
+        if not cuda:
+            bar.set_postfix_str(f"{label}: peak memory (child process)")
+            mems = memory_in_child(Path(__file__).resolve(), case_argv(raw_argv, case))
+        inp = make_inputs(B, T, V, DTYPES[dtype], device)
+        methods = build_methods(inp, args, device, notes)
+        case_rows = []
+        for name, method in methods.items():
+            bar.set_postfix_str(f"{label}: {name}")
+            row, mem_method = bench_method(name, method, case, args, device, mems.get(name), rates)
+            case_rows.append(row)
+            bar.update()
+            bar.write(
+                f"{label:22s} {name:20s} fwd {row['fwd_ms']:9.1f}  total {row['total_ms']:9.1f} ms"
+                f" [{row['total_ms_q20']:.1f}, {row['total_ms_q80']:.1f}]  peak "
+                f"{row['peak_MB']:8.1f} MB  {row['GBs']:6.1f} GB/s"
+            )
+        base_row = next((r for r in case_rows if r["method"] == BASELINE), None)
+        for r in case_rows:
+            r["speedup_vs_trl_eager"] = base_row["total_ms"] / r["total_ms"] if base_row else None
+            r["memory_vs_trl_eager"] = (
+                r["peak_MB"] / base_row["peak_MB"] if base_row and base_row["peak_MB"] > 0 else None
+            )
+        rows += case_rows
+        del inp, methods
+        gc.collect()
+    bar.close()
+    for why in notes.values():
+        print(why, file=sys.stderr)
+
     meta = {
         **info,
-        "benchmark": "policy_loss fwd+bwd, GRPO preset",
-        "shape": {"B": args.B, "T": args.T, "V": args.V, "dtype": args.dtype, "slice": args.slice},
-        "timing": "triton.testing.do_bench"
+        "benchmark": "policy_loss fwd+bwd on logits, GRPO (clip 0.2/0.2, k3 KL beta 0.04, "
+        "seq-mean-token-mean)",
+        "baseline": f"{BASELINE}: trl.trainer.utils.selective_log_softmax + entropy metric "
+        "(no_grad) + TRL 1.16 GRPO per-token math; every speedup / memory ratio is against it",
+        "oracle": f"{ORACLE}: fastrl.reference.policy_loss, the readable oracle; never a baseline",
+        "cases": [{"B": b, "T": t, "V": v, "dtype": d} for b, t, v, d in cases],
+        "slice": args.slice,
+        "timing": "triton.testing.do_bench (ms)"
         if cuda
-        else f"perf_counter, warmup {args.warmup}, rep {args.rep}",
+        else f"perf_counter, warmup {args.warmup}, rep {args.rep} "
+        f"(the oracle row: warmup 1, rep {min(args.slow_rep, args.rep)})",
+        "bwd_note": "bwd_ms = max(total_ms - fwd_ms, 0). fastrl computes dL/dlogits inside its "
+        "forward (fwd_includes_grad), so its fwd_ms is most of its cost and its bwd_ms only "
+        "applies grad_output; compare total_ms.",
         "memory_method": mem_method,
-        "nominal_traffic": "3 * N * V * itemsize (read logits fwd + bwd, write gradient)",
+        "nominal_traffic": "2 * N * V * itemsize: read the logits once, write the gradient once",
+        "machine_rates": rates,
+        "exp_floor": "N * V / exp_per_s (one exp per logit)" if rates.get("exp_per_s") else None,
+        "threads": torch.get_num_threads(),
+        "notes": notes,
     }
     name = f"bench_policy_loss_{device.type}"
-    paths = write_results(name, rows, meta, Path(args.out))
+    out = Path(args.out)
+    paths = write_results(name, rows, meta, out)
     if not args.no_plot:
-        title = (
-            f"policy_loss fwd+bwd, GRPO, N={args.B * args.T} V={args.V} {args.dtype} on "
-            f"{info['device_name'][:40]}"
-        )
-        paths["png"] = plot_bars(
-            Path(args.out) / f"{name}.png",
+        paths["png"] = plot_cases(
+            out / f"{name}.png",
             rows,
+            lambda r: f"N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']}, {r['dtype']}",
             "method",
-            [("total_ms", "fwd+bwd time (ms, median)"), ("peak_MB", "peak memory (MB)")],
-            title,
+            [
+                ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80")),
+                ("peak_MB", "peak memory (MB)"),
+            ],
+            f"GRPO policy loss on logits, fwd+bwd; {info['device_name'][:40]}, torch "
+            f"{info['torch']}, commit {str(info['git_commit'])[:7]}",
         )
     print(paths)
     return rows

@@ -210,5 +210,5 @@ def test_bench_runs_the_benchmark_on_given_shapes(tmp_path):
     assert rc == 0
     (result,) = out.glob("*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert {r["method"] for r in rows} >= {"fused", "eager"}
+    assert {r["method"] for r in rows} >= {"fastrl", "trl-eager"}
     assert all(r["V"] == 50 and r["N"] == 4 for r in rows)

@@ -1,0 +1,137 @@
+"""What trainers run today, written out for the benchmarks (never a fastrl code path).
+
+The GRPO setting everywhere: token-level ratio, clip eps_low = eps_high = 0.2, k3 KL against the
+reference policy with beta = 0.04, "seq-mean-token-mean" aggregation (TRL's loss_type="grpo") -
+the same loss as `fastrl.LossConfig.grpo()`.
+
+    trl_grpo_math(logp, ...)        TRL 1.16 GRPOTrainer._compute_loss, per-token math, verbatim
+                                    (ratio, two-sided clip, k3 KL, beta, loss_type="grpo")
+    trl_eager_loss(logits, ...)     trl.trainer.utils.selective_log_softmax on the logits, the
+                                    entropy metric under no_grad (TRL's compute_entropy=True path
+                                    for logits: `entropy_from_logits`), then trl_grpo_math
+    verl_logprobs_from_logits()     verl.utils.torch_functional.logprobs_from_logits, or None
+                                    (with the reason) when `import verl` fails
+    verl_grpo_math(logp, ...)       verl's compute_policy_loss_vanilla (ratio clamp, dual clip
+                                    c = 3) + low_var_kl KL loss, seq-mean-token-mean
+    trl_chunked_logprobs(h, w, ...) TRL 1.16's ChunkedLogProbFunction called as the trainer's
+                                    fused LM head does it off CUDA (add_fused_lm_head: every
+                                    position scored, outputs=("log_probs", "entropy"))
+
+TRL's logging-only metrics (clip fractions, gathered means) are (B, T)-sized and left out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS_LOW = EPS_HIGH = 0.2
+BETA = 0.04
+VERL_CLIP_RATIO_C = 3.0  # verl's default dual-clip constant (actor.clip_ratio_c)
+
+
+def trl_grpo_math(logp, old_logp, ref_logp, advantages, mask, beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
+    """TRL 1.16 GRPO loss (loss_type="grpo", token-level IS, beta != 0) from per-token log-probs.
+
+    Also what the fused-linear baselines apply after their log-prob op."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    mask = mask.to(logp.dtype)
+    coef_1 = torch.exp(logp - old_logp)
+    per_token_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    coef_2 = torch.clamp(coef_1, 1 - eps[0], 1 + eps[1])
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    per_token_loss = per_token_loss + beta * per_token_kl
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def trl_log_softmax_fns():
+    """(selective_log_softmax, entropy_from_logits) from trl.trainer.utils (trl 1.16)."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    return selective_log_softmax, entropy_from_logits
+
+
+def make_trl_eager_loss():
+    """loss(logits, tokens, advantages, old_logp, ref_logp, mask) as TRL's GRPOTrainer computes it
+    on materialised logits: selective_log_softmax (a per-sequence logsumexp loop for fp32, a
+    per-sequence log_softmax loop for bf16), the entropy metric without gradient, the GRPO math."""
+    selective_log_softmax, entropy_from_logits = trl_log_softmax_fns()
+
+    def trl_eager_loss(logits, tokens, advantages, old_logp, ref_logp, mask):
+        logp = selective_log_softmax(logits, tokens)
+        with torch.no_grad():  # logged as the `entropy` metric; no gradient at entropy_coef = 0
+            entropy = entropy_from_logits(logits)
+        loss = trl_grpo_math(logp.float(), old_logp, ref_logp, advantages, mask)
+        return loss, entropy
+
+    return trl_eager_loss
+
+
+def verl_logprobs_from_logits():
+    """(verl's logprobs_from_logits, "") or (None, why it is unavailable)."""
+    try:
+        import verl  # noqa: F401
+        from verl.utils.torch_functional import logprobs_from_logits
+    except Exception as e:  # not installed, or its dependencies (ray, protobuf, ...) missing
+        return None, f"{type(e).__name__}: {e}"
+    return logprobs_from_logits, ""
+
+
+def _verl_seq_mean_token_mean(x, mask):
+    return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def verl_grpo_math(logp, old_logp, ref_logp, advantages, mask, beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
+    """verl's actor loss for GRPO: compute_policy_loss_vanilla (log-ratio clamped to +-20, two-
+    sided clip, dual clip c = 3 for negative advantages) + beta * low_var_kl (k3 clamped to
+    +-10), both aggregated seq-mean-token-mean. Equal to the TRL loss unless a clamp is hit."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - eps[0], 1 + eps[1])
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * VERL_CLIP_RATIO_C
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    kl = torch.clamp(ref_logp - logp, -20.0, 20.0)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0)
+    return _verl_seq_mean_token_mean(pg_losses, mask) + beta * _verl_seq_mean_token_mean(kld, mask)
+
+
+def make_verl_eager_loss():
+    """loss(logits, ...) as verl's dp_actor computes it (entropy_coeff = 0: no entropy), or None."""
+    logprobs_from_logits, why = verl_logprobs_from_logits()
+    if logprobs_from_logits is None:
+        return None, why
+
+    def verl_eager_loss(logits, tokens, advantages, old_logp, ref_logp, mask):
+        logp = logprobs_from_logits(logits, tokens)
+        return verl_grpo_math(logp.float(), old_logp, ref_logp, advantages, mask), None
+
+    return verl_eager_loss, ""
+
+
+def trl_chunked_logprobs(hidden, weight, tokens, mask):
+    """Per-token (log-probs, entropy) of hidden @ weight.T through TRL 1.16's
+    ChunkedLogProbFunction, exactly as `add_fused_lm_head`'s patched forward calls it off CUDA
+    (all positions scored, labels clamped, masked positions zero-filled after)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    B, T = tokens.shape
+    logp, entropy, *_ = ChunkedLogProbFunction.apply(
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        None,  # lm_head bias
+        tokens.clamp(min=0).reshape(-1),
+        1.0,  # temperature
+        _CHUNKED_LOGPROB_CHUNK_SIZE,
+        None,  # final_logit_softcapping
+        1.0,  # logit_scale
+        ("log_probs", "entropy"),  # what GRPOTrainer asks for
+    )
+    logp = logp.view(B, T).masked_fill(~mask, 0)
+    entropy = entropy.view(B, T).masked_fill(~mask, 0)
+    return logp, entropy

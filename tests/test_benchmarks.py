@@ -1,0 +1,149 @@
+"""Smoke tests of benchmarks/: the --quick runs of bench_policy_loss.py and bench_fused_linear.py
+(tiny shapes, 1-2 repetitions) write consistent results, and report.py turns them into the README
+tables. They check the scripts, not speed."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    res = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report", BENCH / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    """Both benchmarks' --quick runs (fp32; no torch.compile / Liger rows: those compile for
+    tens of seconds, see the slow test) into one folder."""
+    out = tmp_path_factory.mktemp("bench")
+    common = ["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out)]
+    _run("bench_policy_loss.py", *common, "--no-compile")
+    _run("bench_fused_linear.py", *common, "--no-liger")
+    return out
+
+
+def test_help_explains_the_options():
+    for script, options in [
+        ("bench_policy_loss.py", ["--quick", "--shapes", "--dtype", "--slow-rep", "trl-eager"]),
+        ("bench_fused_linear.py", ["--quick", "--shapes", "--dtype", "--slow-ms", "gemm-floor"]),
+    ]:
+        text = _run(script, "--help").stdout
+        for opt in options:
+            assert opt in text, (script, opt)
+
+
+def test_policy_loss_quick_rows(quick_results):
+    data = _load(quick_results / "bench_policy_loss_cpu.json")
+    meta, rows = data["meta"], data["rows"]
+    names = [r["method"] for r in rows]
+    assert {"fastrl", "fastrl-inplace", "trl-eager", "reference (oracle)"} <= set(names)
+    assert "verl-eager" in names or "verl-eager" in meta["notes"]
+    assert "trl-eager-compiled" not in names  # --no-compile
+    rates = meta["machine_rates"]
+    assert rates["copy_GBs"] > 0 and rates["exp_per_s"] > 0
+    assert meta["git_commit"] and meta["torch"] and "bwd_note" in meta
+    base = next(r for r in rows if r["method"] == "trl-eager")
+    assert base["speedup_vs_trl_eager"] == pytest.approx(1.0)
+    for r in rows:
+        assert r["bwd_ms"] >= 0
+        assert r["total_ms_q20"] <= r["total_ms"] <= r["total_ms_q80"]
+        assert r["exp_floor_ratio"] == pytest.approx(r["total_ms"] / r["exp_floor_ms"])
+        assert r["speedup_vs_trl_eager"] == pytest.approx(base["total_ms"] / r["total_ms"])
+        # every method computes the same GRPO loss on the same inputs (fp32)
+        assert math.isclose(r["loss"], base["loss"], rel_tol=1e-4, abs_tol=1e-5), r["method"]
+    with open(quick_results / "bench_policy_loss_cpu.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert (quick_results / "bench_policy_loss_cpu.png").stat().st_size > 0
+
+
+def test_fused_linear_quick_rows(quick_results):
+    data = _load(quick_results / "bench_fused_linear_cpu.json")
+    rows = {r["method"]: r for r in data["rows"]}
+    assert {
+        "linear_logprobs+grpo",
+        "fastrl-fused-linear",
+        "gemm-floor",
+        "matmul+fastrl",
+        "matmul+trl-eager",
+        "trl-chunked",
+        "fastrl-fused-linear (90% masked)",
+        "linear_logprobs+grpo (90% masked)",
+    } <= set(rows)
+    assert rows["gemm-floor"]["x_gemm_floor"] == pytest.approx(1.0)
+    assert rows["matmul+trl-eager"]["memory_vs_matmul_trl_eager"] in (None, pytest.approx(1.0))
+    ref = rows["matmul+trl-eager"]["loss"]
+    for name, r in rows.items():
+        assert r["TFLOPs"] > 0 and r["total_ms"] > 0
+        if name == "gemm-floor":
+            assert r["loss"] is None
+        elif r["masked_frac"]:
+            unmasked = rows[name.replace(" (90% masked)", "")]
+            assert r["vs_unmasked"] == pytest.approx(r["total_ms"] / unmasked["total_ms"])
+        else:
+            assert math.isclose(r["loss"], ref, rel_tol=1e-4, abs_tol=1e-5), name
+    assert (quick_results / "bench_fused_linear_cpu.png").stat().st_size > 0
+
+
+def test_report_rewrites_only_the_bench_block(quick_results, tmp_path):
+    report = _report()
+    md = report.tables("bench", quick_results)
+    assert "| method | shape | dtype | median ms (q20-q80) | vs trl-eager |" in md
+    assert "exp-floor ratio" in md and "x GEMM floor" in md and "TFLOP/s" in md
+    assert "| trl-eager | N=32 (B=2, T=16), V=512 | fp32 |" in md
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "intro\n<!-- train:start -->\nold train\n<!-- train:end -->\nmiddle\n"
+        "<!-- bench:start -->\nold bench\n<!-- bench:end -->\nend\n"
+    )
+    report.main(["--readme", "--results", str(quick_results), "--readme-path", str(readme)])
+    text = readme.read_text()
+    assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("end\n")
+    assert "old bench" not in text and "x GEMM floor" in text
+    # the committed results (whatever their format) still render
+    assert "(from `benchmarks/results/" in report.tables("bench")
+
+
+@pytest.mark.slow
+def test_quick_runs_with_compile_and_liger(tmp_path):
+    """The full --quick runs: trl-eager-compiled and liger-fused-linear rows, fp32 and bf16."""
+    _run("bench_policy_loss.py", "--quick", "--no-progress", "--out", str(tmp_path))
+    _run("bench_fused_linear.py", "--quick", "--no-progress", "--out", str(tmp_path))
+    pl = _load(tmp_path / "bench_policy_loss_cpu.json")["rows"]
+    assert {r["dtype"] for r in pl} == {"fp32", "bf16"}
+    assert "trl-eager-compiled" in {r["method"] for r in pl}
+    fl = _load(tmp_path / "bench_fused_linear_cpu.json")
+    names = {r["method"] for r in fl["rows"]}
+    assert "liger-fused-linear" in names or "liger-fused-linear" in fl["meta"]["notes"]
