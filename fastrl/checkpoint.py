@@ -118,12 +118,15 @@ def save_checkpoint(
     state: dict,
     rank_states: list[dict] | None = None,
     keep: int = 2,
+    export=None,
 ) -> str:
     """Write checkpoint `step` under `root` atomically; return its directory.
 
     models: name -> nn.Module (weights saved as NAME.safetensors); optim_state: anything
     torch.save can write (optimizer + scheduler); state: JSON (step, config, RNG of rank 0);
-    rank_states: one JSON RNG state per rank (distributed runs)."""
+    rank_states: one JSON RNG state per rank (distributed runs); export: a callable that writes
+    more files into the directory it is given (the checkpoint's, before it is complete: the
+    Hugging Face export `hf/`), so they are part of the atomic rename."""
     from safetensors.torch import save_model
 
     os.makedirs(root, exist_ok=True)
@@ -142,6 +145,8 @@ def save_checkpoint(
             with open(path, "w") as f:
                 json.dump(rs, f)
             _fsync_file(path)
+        if export is not None:
+            export(tmp)
         path = os.path.join(tmp, "state.json")
         with open(path, "w") as f:
             json.dump(state, f)

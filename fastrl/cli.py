@@ -30,6 +30,8 @@ RESUME_OVERRIDABLE = (
     "save_every",
     "eval_every",
     "reward_timeout",
+    "max_time",
+    "report_to",
 )
 
 
@@ -83,7 +85,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             kind = str
         if "None" in ann:
             kind = _parse_optional(kind)
-        extra = {"choices": config_module.ALGOS} if f.name == "algo" else {}
+        choices = {
+            "algo": config_module.ALGOS,
+            "loss": config_module.PRESETS,
+            "lr_schedule": config_module.LR_SCHEDULES,
+            "dtype": config_module.TRAIN_DTYPES,
+            "report_to": config_module.REPORT_TO,
+        }
+        extra = {"choices": choices[f.name]} if f.name in choices else {}
         if kind is _bool:  # `--force` alone means true; `--progress false` still works
             extra = {"nargs": "?", "const": True}
         p.add_argument(
@@ -239,12 +248,14 @@ def main(argv: list[str] | None = None) -> int:
 
         recs = read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
         evals = [r for r in recs if "eval_accuracy" in r]
-        steps_done = max(cfg.steps - (evals[0]["step"] if cfg.resume else 0), 0)
+        steps_done = max(evals[-1]["step"] - (evals[0]["step"] if cfg.resume else 0), 0)
         print(
             f"done: {cfg.algo}, eval accuracy {evals[0]['eval_accuracy']:.3f} (step "
             f"{evals[0]['step']}) -> {evals[-1]['eval_accuracy']:.3f} (step {evals[-1]['step']}), "
             f"{trainer.wall_time:.0f}s for {steps_done} steps; outputs in {cfg.out}"
         )
+        if trainer.model_dir:
+            print(f"model: {trainer.model_dir} (from_pretrained / --model load it)")
     return 0
 
 

@@ -239,6 +239,9 @@ def resolve_config(config: LossConfig | str | None, overrides: dict[str, Any]) -
 
 # ====================================================================== trainer configuration
 ALGOS = ("ppo", "grpo", "dapo")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+TRAIN_DTYPES = ("auto", "fp32", "bf16")
+REPORT_TO = ("none", "tensorboard")
 
 
 @dataclass
@@ -252,6 +255,11 @@ class TrainConfig:
     """Algorithm: `ppo` (policy + critic, GAE on token rewards, clipped value loss), `grpo` (G
     samples per prompt, group advantages, k3 KL to a frozen reference) or `dapo` (clip-higher,
     global token-mean, dynamic sampling, overlong shaping and filtering, no KL / reference)."""
+
+    loss: str | None = None
+    """The LossConfig preset of the policy loss: ppo, grpo, dapo, dr_grpo, gspo or cispo (None:
+    the preset named like --algo). --algo chooses the pipeline (rollout, advantages, critic),
+    --loss the loss on it; a preset with a KL term (grpo) loads a frozen reference."""
 
     model: str | None = None
     """A local Hugging Face causal LM directory (save_pretrained output). None: the embedded
@@ -271,6 +279,16 @@ class TrainConfig:
     each step with failures prints a warning); SystemExit / KeyboardInterrupt raised by it stop
     the run with a checkpoint."""
 
+    eval_file: str | None = None
+    """A .jsonl file of {"prompt", "answer"} lines to evaluate on (held-out data). None: built-in
+    tasks evaluate on a fixed set drawn from a stream disjoint from training; a .jsonl task holds
+    out --eval-split of its lines (never trained on)."""
+
+    eval_split: float = 0.1
+    """A .jsonl task without --eval-file: the fraction of its lines (seeded shuffle, at most
+    --eval-size) held out for evaluation and never trained on. 0: evaluate on the first
+    --eval-size training lines (then eval accuracy is training accuracy)."""
+
     reward_timeout: float = 5.0
     """Seconds one reward call may take; a longer call scores 0 and is counted as a timeout.
     Calls run in a worker thread, and a hung thread cannot be killed: it is left running in the
@@ -289,6 +307,10 @@ class TrainConfig:
 
     lr: float = 1e-3
     """Peak AdamW learning rate of the policy."""
+
+    lr_schedule: str = "constant"
+    """Learning-rate schedule after the linear warm-up: `constant`, `linear` (to 0 at the last
+    optimizer step) or `cosine` (to 0 at the last optimizer step)."""
 
     max_new_tokens: int = 6
     """Longest completion, in tokens (EOS included). Must be >= 1."""
@@ -315,6 +337,28 @@ class TrainConfig:
     temperature: float = 1.0
     """Sampling temperature of the rollouts; the loss uses the same (training log-probs then
     match the sampler's)."""
+
+    top_k: int | None = None
+    """Rollout top-k sampling (None: off). The loss then uses the same truncation: every
+    log-prob (pi_old, pi_ref, the trained policy) is under the top-k / top-p truncated,
+    renormalised distribution of that model's own logits, with the sampled token always kept in
+    the support; for pi_old this equals the sampler's log-prob (metric sampler_logp_gap)."""
+
+    top_p: float | None = None
+    """Rollout nucleus (top-p) sampling in (0, 1] (None: off); the loss uses the same
+    truncation (see --top-k)."""
+
+    dtype: str = "auto"
+    """Compute precision: `fp32`, `bf16` (bf16 autocast of forwards, fp32 weights, optimizer
+    and loss; on CPU too, where it is usually slower) or `auto` (bf16 on CUDA, fp32 on CPU)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute the policy's (and critic's) activations in the backward (Hugging Face
+    gradient checkpointing): less memory, about 30% more compute per update."""
+
+    report_to: str = "none"
+    """`tensorboard`: also log every metric to OUT/tensorboard (needs the optional `tensorboard`
+    package: pip install "fastrl[tensorboard]"). metrics.jsonl is always written."""
 
     epochs: int = 1
     """K: passes over each rollout batch."""
@@ -366,9 +410,12 @@ class TrainConfig:
     max_gen_batches: int = 4
     """dapo: most generation batches per step while dynamic sampling fills the batch."""
 
-    overlong_cache: int = 2
-    """dapo: L_cache of the overlong reward shaping (tokens before max_new_tokens where the
-    penalty ramps up); 0 disables the shaping."""
+    overlong_cache: int | None = None
+    """dapo: L_cache of the overlong reward shaping: the last L_cache tokens of the budget,
+    where the penalty ramps from 0 to -overlong_factor. |y| counts the generated tokens before
+    the EOS (the EOS itself is not length), so a response that ends with EOS within
+    max_new_tokens - L_cache tokens is never penalised. None: max_new_tokens // 5 (the DAPO
+    paper's 4096 of 20480), which is 0 (no shaping) below 5 tokens; 0 disables the shaping."""
 
     overlong_factor: float = 1.0
     """dapo: the largest overlong penalty."""
@@ -376,11 +423,13 @@ class TrainConfig:
     overlong_filter: bool = True
     """dapo: truncated completions (no EOS) get loss mask 0."""
 
-    sft_steps: int = 1000
-    """Supervised warm-up steps before RL (0: none), on the task's warm-up examples. On the
-    built-in tasks these come from a sloppy teacher whose answer is one too high 75% of the time:
-    imitating it teaches the format and most of the arithmetic but leaves greedy eval accuracy
-    low (about 10%); RL on the exact-answer reward then does the lifting."""
+    sft_steps: int | None = None
+    """Supervised warm-up steps before RL (0: none), on the task's warm-up examples (a .jsonl
+    task: its training lines). None: 1000 for the embedded default (built-in task, no --model),
+    0 otherwise (a user model or task starts RL from the model as given). On the built-in tasks
+    the warm-up imitates a sloppy teacher whose answer is one too high 75% of the time: that
+    teaches the format and most of the arithmetic but leaves greedy eval accuracy low (about
+    10%); RL on the exact-answer reward then does the lifting."""
 
     sft_lr: float = 3e-3
     """Learning rate of the supervised warm-up."""
@@ -395,7 +444,17 @@ class TrainConfig:
     """Eval prompts (fixed, disjoint from the training stream for built-in tasks)."""
 
     save_every: int = 50
-    """Write a checkpoint every this many steps (and at the end); 0: only at the end."""
+    """Write a checkpoint every this many steps (and at the end); 0: only at the end. Each
+    checkpoint holds a Hugging Face model directory, OUT/checkpoints/step-N/hf (save_pretrained
+    of the policy and tokenizer), that AutoModelForCausalLM.from_pretrained and --model load."""
+
+    max_time: float = 0.0
+    """Stop after this many seconds of RL (checked after each step; evaluates and saves as at
+    the last step). 0: no limit, run --steps steps."""
+
+    fsdp: bool = False
+    """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard) across the
+    torchrun ranks instead of replicating it with DDP."""
 
     model_hidden: int = 64
     """Embedded model only: hidden size."""
@@ -440,8 +499,29 @@ class TrainConfig:
             raise bad("group_size", f">= 2 for {self.algo} (group advantages need 2+ samples)")
         for name in ("warmup_steps", "sft_steps", "save_every", "num_threads", "overlong_cache"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if v is None and name in ("sft_steps", "overlong_cache"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise bad(name, "an integer >= 0")
+        for name, choices in (
+            ("lr_schedule", LR_SCHEDULES),
+            ("dtype", TRAIN_DTYPES),
+            ("report_to", REPORT_TO),
+        ):
+            if getattr(self, name) not in choices:
+                raise bad(name, "one of " + ", ".join(choices))
+        if self.loss is not None and self.loss not in PRESETS:
+            raise bad("loss", "None or a LossConfig preset: " + ", ".join(PRESETS))
+        if self.top_k is not None and (
+            not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1
+        ):
+            raise bad("top_k", "None or an integer >= 1")
+        if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
+            raise bad("top_p", "None or a number in (0, 1]")
+        if not _is_real(self.eval_split) or not 0 <= self.eval_split < 1:
+            raise bad("eval_split", "a fraction in [0, 1)")
+        if not _is_real(self.max_time) or not 0 <= self.max_time < math.inf:
+            raise bad("max_time", "a finite number of seconds >= 0 (0: no limit)")
         for name in ("lr", "critic_lr", "max_grad_norm", "sft_lr"):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or v <= 0:
@@ -458,7 +538,11 @@ class TrainConfig:
             raise bad("kl_coef", "None or a number >= 0")
         if self.algo == "dapo" and self.kl_coef:
             raise bad("kl_coef", "None or 0 for dapo (DAPO has no KL term and no reference)")
-        if self.overlong_cache >= self.max_new_tokens and self.algo == "dapo":
+        if (
+            self.algo == "dapo"
+            and self.overlong_cache is not None
+            and self.overlong_cache >= self.max_new_tokens
+        ):
             raise bad("overlong_cache", f"< max_new_tokens = {self.max_new_tokens}")
         if self.batch_size * self.group_size < self.minibatches * self.grad_accum:
             raise bad("minibatches", "minibatches * grad_accum <= batch_size * group_size")

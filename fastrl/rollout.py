@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .losses import logprobs
-from .sampling import sample
+from .sampling import sample, truncate_logits
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 TOKENIZER_FILE = os.path.join(ASSETS, "tokenizer.json")
@@ -281,12 +281,39 @@ def forward_completion_logits(model, rollout: Rollout, idx: Tensor | None = None
     return out.logits[:, P - 1 : -1], out
 
 
+def truncate_like_sampler(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Tensor:
+    """`logits` (n, T, V) with -inf outside the top-k / top-p support of softmax(logits / T)
+    (`fastrl.sampling.truncate_logits`, the sampler's rule), the token of each row always kept:
+    log-probs of the result are under the truncated, renormalised distribution the rollout
+    sampled from (for the model that sampled), and always finite. Unchanged (the same tensor)
+    without top-k / top-p. Differentiable (a masked copy)."""
+    V = logits.shape[-1]
+    if (top_k is None or top_k >= V) and (top_p is None or top_p >= 1):
+        return logits
+    z = logits.detach().reshape(-1, V).float() / temperature
+    keep = torch.isfinite(truncate_logits(z, top_k, top_p))
+    keep.scatter_(1, tokens.reshape(-1, 1), True)
+    return logits.masked_fill(~keep.view(logits.shape), float("-inf"))
+
+
 @torch.no_grad()
 def sequence_logprobs(
-    model, rollout: Rollout, temperature: float = 1.0, chunk: int | None = None
+    model,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    chunk: int | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> Tensor:
     """Log-probs (N, T) fp32 of the completion tokens under `model` (pi_old or pi_ref): one
-    no-grad forward through `fastrl.logprobs` (in chunks of `chunk` sequences when given).
+    no-grad forward through `fastrl.logprobs` (in chunks of `chunk` sequences when given), under
+    the top-k / top-p truncation of the rollout when given (`truncate_like_sampler`).
 
     This is always recomputed rather than taken from the sampler: the sampler's numbers come from
     incremental KV-cache forwards, which agree with a full forward only up to rounding (and not
@@ -298,5 +325,7 @@ def sequence_logprobs(
     for s in range(0, N, chunk):
         idx = torch.arange(s, min(s + chunk, N), device=rollout.completion_ids.device)
         logits, _ = forward_completion_logits(model, rollout, idx)
-        parts.append(logprobs(logits, rollout.completion_ids[idx], temperature=temperature).float())
+        tokens = rollout.completion_ids[idx]
+        logits = truncate_like_sampler(logits, tokens, temperature, top_k, top_p)
+        parts.append(logprobs(logits, tokens, temperature=temperature).float())
     return torch.cat(parts) * rollout.completion_mask

@@ -131,6 +131,21 @@ class JsonlTask(Task):
     def eval_examples(self, n: int, seed: int) -> list[Example]:
         return self.examples[:n]
 
+    def hold_out(self, fraction: float, max_n: int, seed: int) -> list[Example]:
+        """Remove round(fraction * lines) lines (at least 1, at most max_n; a seeded shuffle)
+        from the training lines and return them as a held-out eval set; none when fraction is
+        0 or the file has fewer than 2 lines (nothing would be left to train on)."""
+        n = len(self.examples)
+        if fraction <= 0 or n < 2:
+            return []
+        k = min(max_n, max(1, round(fraction * n)), n - 1)
+        order = list(range(n))
+        random.Random(seed + EVAL_SEED_OFFSET).shuffle(order)
+        held = set(order[:k])
+        out = [self.examples[i] for i in sorted(held)]
+        self.examples = [e for i, e in enumerate(self.examples) if i not in held]
+        return out
+
 
 def load_jsonl(path: str) -> list[Example]:
     """Examples from a JSONL file; a malformed line raises ValueError with its line number."""

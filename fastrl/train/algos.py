@@ -1,0 +1,103 @@
+"""What differs between the algorithms, in one place.
+
+            rewards                       groups kept                  advantages
+  grpo      task reward                   all                          group (r - mean) / std
+  dapo      task reward + overlong        dynamic sampling: groups     group, on the kept groups;
+            shaping (EOS not counted)     whose rewards differ         truncated ones masked
+  ppo       task reward on the last       all                          GAE with a critic,
+            token (- beta * KL shaping)                                whitened over all ranks
+
+The loss (`--loss`, a LossConfig preset, default the one named like the algorithm) is the same
+fused `fastrl.policy_loss` for all of them (fastrl/train/update.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from ..advantages import dynamic_sampling_filter, gae, group_advantages, overlong_penalty, whiten
+from ..config import TrainConfig
+from ..rollout import Rollout
+from .common import Batch, gather_rows
+
+
+# --------------------------------------------------------------------------- grpo / dapo
+def overlong_cache(cfg: TrainConfig) -> int:
+    """L_cache of DAPO's overlong shaping: the option, or max_new_tokens // 5 (the paper's
+    4096 of 20480; 0, i.e. no shaping, below 5 tokens)."""
+    return cfg.max_new_tokens // 5 if cfg.overlong_cache is None else cfg.overlong_cache
+
+
+def dapo_shaped_rewards(cfg: TrainConfig, r: Rollout, rewards: Tensor) -> Tensor:
+    """rewards + DAPO's soft overlong penalty (SPEC 9) on |y| = the tokens before the EOS (a
+    truncated response: all max_new_tokens of them), so an answer that ends with EOS within
+    max_new_tokens - L_cache tokens is never penalised, whatever its length."""
+    cache = overlong_cache(cfg)
+    if cache <= 0:
+        return rewards
+    content = (r.lengths - (~r.truncated).long()).cpu()
+    return rewards + overlong_penalty(content, cfg.max_new_tokens, cache, cfg.overlong_factor)
+
+
+def dapo_keep(rewards: Tensor, group_size: int, room: int) -> Tensor:
+    """Sequence indices of (at most `room`) groups whose rewards are not all equal."""
+    keep = dynamic_sampling_filter(rewards, group_size)[:room]
+    return (keep[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
+def group_batch(r: Rollout, rewards: Tensor, old_logp, ref_logp, group_size: int) -> Batch:
+    """grpo / dapo: one advantage per sequence, normalised within its group."""
+    adv = group_advantages(rewards, group_size=group_size).to(old_logp.device)
+    return Batch(r, adv, old_logp, ref_logp)
+
+
+# --------------------------------------------------------------------------- ppo
+class ValueModel(nn.Module):
+    """PPO critic: a copy of the policy's backbone with a scalar head on its last hidden state."""
+
+    def __init__(self, policy):
+        super().__init__()
+        base = getattr(policy, policy.base_model_prefix, None)
+        if base is None:  # pragma: no cover - every HF causal LM has one
+            raise ValueError("the policy model has no base model to copy for the critic")
+        self.backbone = copy.deepcopy(base)
+        hidden = policy.config.hidden_size
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, rollout: Rollout, idx: Tensor | None = None) -> Tensor:
+        """Values (n, T) of the completion positions: V_t from the state that predicts token t."""
+        p_ids, p_mask, c_ids = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
+        if idx is not None:
+            p_ids, p_mask, c_ids = p_ids[idx], p_mask[idx], c_ids[idx]
+        P = p_ids.shape[1]
+        ids = torch.cat([p_ids, c_ids], 1)
+        attn = torch.cat([p_mask, torch.ones_like(c_ids)], 1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        h = self.backbone(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        return self.head(h[:, P - 1 : -1]).squeeze(-1).float()
+
+
+@torch.no_grad()
+def ppo_batch(critic, cfg: TrainConfig, r: Rollout, rewards, old_logp, ref_logp, amp) -> Batch:
+    """Terminal reward on the last counted token (minus kl_coef * (old - ref) per token when KL
+    shaping is on), GAE with the critic's values, advantages whitened over every rank's counted
+    tokens (`fastrl.whiten` on the gathered batch: the same numbers as in one process)."""
+    mask = r.completion_mask
+    counted = mask > 0
+    with amp():
+        values = torch.where(counted, critic(r).float(), 0.0)  # a NaN at a masked token stays out
+    token_rewards = torch.zeros_like(mask)
+    last = (r.lengths - 1).clamp(min=0)
+    token_rewards[torch.arange(len(last), device=mask.device), last] = rewards
+    if ref_logp is not None and cfg.kl_coef:
+        token_rewards = token_rewards - cfg.kl_coef * (old_logp - ref_logp) * mask
+    adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam, whiten=False)
+    adv_all, mine = gather_rows(adv)
+    mask_all, _ = gather_rows(mask)
+    adv = torch.where(counted, whiten(adv_all, mask_all)[mine], 0.0)
+    return Batch(r, adv, old_logp, ref_logp, torch.where(counted, returns, 0.0), values)
