@@ -137,10 +137,13 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
         if cfg.algo == "ppo":
             self.critic = ValueModel(self.policy).to(self.device)
         if cfg.gradient_checkpointing:
-            kw = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-            self.policy.gradient_checkpointing_enable(**kw)
-            if self.critic is not None:
-                self.critic.backbone.gradient_checkpointing_enable(**kw)
+            for m in (self.policy, self.critic.backbone if self.critic is not None else None):
+                if m is not None:
+                    kw = {"use_reentrant": False}
+                    if hasattr(m, "activation_checkpointing_enable"):  # newer transformers
+                        m.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+                    else:
+                        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         if cfg.fsdp:
             self._shard()
         self._build_optim()

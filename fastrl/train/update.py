@@ -48,7 +48,7 @@ class UpdateMixin:
         N = batch.rollout.completion_ids.shape[0]
         sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)
         ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
-        grad_norms = []
+        grad_norms, lrs = [], []
         mask = batch.rollout.completion_mask
         for _ in range(cfg.epochs):
             perm = torch.randperm(N, generator=self.shuffle_gen)
@@ -64,6 +64,7 @@ class UpdateMixin:
                     )
                     sums += s
                     ratio_max = torch.maximum(ratio_max, rmax)
+                lrs.append(self.sched.get_last_lr()[0])  # the lr of this optimizer step
                 grad_norms.append(self._clip_and_step())
         n_opt = cfg.epochs * cfg.minibatches
         # the one host read of this update: metric sums, ratio max, every grad norm pair
@@ -83,7 +84,7 @@ class UpdateMixin:
             "clipfrac_high": sums[_I["clipfrac_high"]].item() / tok,
             "ratio_max": ratio_max.item(),
             "grad_norm": norms[:, 0].mean().item(),
-            "lr": self.sched.get_last_lr()[0],
+            "lr": sum(lrs) / len(lrs),
         }
         if batch.ref_logp is not None:  # KL to the reference; approx_kl is the KL to pi_old
             out["kl"] = sums[_I["kl"]].item() / tok

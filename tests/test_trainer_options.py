@@ -1,0 +1,266 @@
+"""Trainer options of issue 12: DAPO shaping defaults, warm-up only for the embedded default,
+held-out eval, the Hugging Face export round trip, --loss presets, lr schedules, top-k / top-p
+on the same truncation, --dtype, --gradient-checkpointing, --report-to tensorboard, --max-time,
+and the metrics (kl vs approx_kl, clip fractions, std, times, curves)."""
+
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from fastrl.cli import main
+from fastrl.config import PRESETS, TrainConfig
+from fastrl.rollout import Rollout
+from fastrl.train import algos
+from fastrl.train.build import lr_factor
+from fastrl.trainer import Trainer, read_metrics
+
+
+def tiny(out, **kw) -> TrainConfig:
+    base = dict(
+        model_hidden=32,
+        model_layers=1,
+        batch_size=4,
+        group_size=4,
+        sft_steps=0,
+        eval_size=8,
+        max_new_tokens=4,
+        progress=False,
+        eval_every=2,
+        steps=2,
+        num_threads=1,
+        out=str(out),
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def quiet(*a, **k):
+    pass
+
+
+def _rollout(lengths, truncated, T):
+    n = len(lengths)
+    z = torch.zeros(n, T)
+    return Rollout(
+        torch.zeros(n, 1, dtype=torch.long),
+        torch.ones(n, 1, dtype=torch.long),
+        torch.zeros(n, T, dtype=torch.long),
+        z,
+        z,
+        torch.tensor(lengths),
+        torch.tensor(truncated),
+    )
+
+
+# ----------------------------------------------------------------------- 1. DAPO shaping
+def test_dapo_overlong_default_never_penalises_an_answer_that_ends_inside_the_budget():
+    # max_new_tokens 4: "12" + EOS is 3 tokens. The old default (L_cache 2, EOS counted) gave
+    # it -0.5 while a wrong 1-digit answer got 0, so a policy below 50% on 2-digit sums was
+    # pushed to answer with one digit (eval accuracy collapsed). Now: L_cache = 4 // 5 = 0.
+    cfg = TrainConfig(algo="dapo", max_new_tokens=4)
+    assert algos.overlong_cache(cfg) == 0
+    r = _rollout([2, 3, 4, 4], [False, False, False, True], 4)
+    assert algos.dapo_shaped_rewards(cfg, r, torch.ones(4)).tolist() == [1, 1, 1, 1]
+    # a longer budget: L_cache = 10 // 5 = 2, |y| = tokens before the EOS
+    cfg = TrainConfig(algo="dapo", max_new_tokens=10)
+    assert algos.overlong_cache(cfg) == 2
+    r = _rollout([3, 9, 10, 10, 10], [False, False, False, True, True], 10)
+    shaped = algos.dapo_shaped_rewards(cfg, r, torch.zeros(5)).tolist()
+    assert shaped == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])  # |y| 2, 8 -> 0, 9 -> -0.5
+    # max_new_tokens 6 (the embedded default): L_cache 1, every EOS-ended answer is free
+    cfg = TrainConfig(algo="dapo", max_new_tokens=6)
+    r = _rollout([1, 6, 6], [False, False, True], 6)
+    assert algos.dapo_shaped_rewards(cfg, r, torch.zeros(3)).tolist() == [0, 0, -1]
+    assert algos.dapo_shaped_rewards(
+        TrainConfig(algo="dapo", max_new_tokens=6, overlong_cache=0), r, torch.zeros(3)
+    ).tolist() == [0, 0, 0]
+
+
+# ----------------------------------------------------------------------- 2. user tasks
+def _jsonl(path, n):
+    lines = [
+        json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        for a in range(10)
+        for b in range(10)
+    ][:n]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_warmup_only_for_the_embedded_default(tmp_path):
+    f = _jsonl(tmp_path / "t.jsonl", 20)
+    assert Trainer(tiny(tmp_path / "a", sft_steps=None), log=quiet).sft_steps == 1000
+    assert Trainer(tiny(tmp_path / "b", sft_steps=None, task=str(f)), log=quiet).sft_steps == 0
+    assert Trainer(tiny(tmp_path / "c", sft_steps=7, task=str(f)), log=quiet).sft_steps == 7
+
+
+def test_held_out_split_is_never_trained_on(tmp_path):
+    f = _jsonl(tmp_path / "t.jsonl", 40)
+    lines = []
+    t = Trainer(tiny(tmp_path / "o", task=str(f), eval_split=0.25, eval_size=100), log=lines.append)
+    held = {e.prompt for e in t.eval_set}
+    assert len(held) == 10 and any("10 lines of" in line for line in lines)
+    trained = {e.prompt for e in t.task.examples}
+    assert len(trained) == 30 and not held & trained
+    import random
+
+    drawn = {e.prompt for e in t.task.sample(random.Random(0), 500)}
+    assert not drawn & held
+    # --eval-file: evaluate on that file, train on all lines of the task
+    ev = _jsonl(tmp_path / "eval.jsonl", 5)
+    t = Trainer(tiny(tmp_path / "p", task=str(f), eval_file=str(ev)), log=quiet)
+    assert len(t.eval_set) == 5 and len(t.task.examples) == 40
+
+
+# ----------------------------------------------------------------------- 3. export
+def test_export_from_pretrained_and_model_round_trip(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "train", "--out", str(out), "--steps", "2", "--save-every", "1", "--model-hidden",
+            "32", "--model-layers", "1", "--batch-size", "4", "--group-size", "2",
+            "--sft-steps", "3", "--eval-size", "4", "--max-new-tokens", "4", "--progress",
+            "false",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    hf = out / "checkpoints" / "step-000002" / "hf"
+    assert f"model: {hf}" in text
+    assert (out / "checkpoints" / "step-000001" / "hf" / "config.json").is_file()  # each one
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "checkpoints" / "step-000002" / "policy.safetensors"))
+    for name, p in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(p, saved[name]), name
+    # --model accepts it (no warm-up for a user model)
+    lines = []
+    cfg = tiny(tmp_path / "again", model=str(hf), sft_steps=None, steps=1)
+    t = Trainer(cfg, log=lines.append)
+    assert t.sft_steps == 0
+    for a, b in zip(t.policy.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    t.train()
+    assert (tmp_path / "again" / "checkpoints" / "step-000001" / "hf" / "tokenizer.json").exists()
+
+
+# ----------------------------------------------------------------------- 4. knobs
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_loss_preset_trains(tmp_path, preset):
+    t = Trainer(tiny(tmp_path, loss=preset, steps=1), log=quiet)
+    assert t.loss_cfg == t._loss_config()
+    t.train()
+    rec = read_metrics(str(tmp_path / "metrics.jsonl"))[-1]
+    assert math.isfinite(rec["loss"]) and ("kl" in rec) == (preset == "grpo")
+
+
+def test_lr_schedules():
+    assert [lr_factor(s, 2, 10, "constant") for s in range(4)] == [0.5, 1, 1, 1]
+    lin = [lr_factor(s, 2, 10, "linear") for s in range(2, 10)]
+    assert lin[0] == 1 and all(a > b for a, b in zip(lin, lin[1:])) and lin[-1] > 0
+    cos = [lr_factor(s, 0, 10, "cosine") for s in range(10)]
+    assert cos[0] == 1 and cos[5] == pytest.approx(0.5) and cos[-1] > 0
+
+
+def test_lr_schedule_in_a_run(tmp_path):
+    t = Trainer(tiny(tmp_path, lr_schedule="cosine", warmup_steps=0, steps=3), log=quiet)
+    t.train()
+    lrs = [r["lr"] for r in read_metrics(str(tmp_path / "metrics.jsonl")) if "lr" in r]
+    assert lrs[0] > lrs[1] > lrs[2] > 0
+
+
+@pytest.mark.parametrize("trunc", [{"top_k": 3}, {"top_p": 0.7}, {"top_k": 5, "top_p": 0.9}])
+def test_top_k_top_p_loss_on_the_same_truncated_distribution(tmp_path, trunc):
+    t = Trainer(tiny(tmp_path, steps=1, **trunc), log=quiet)
+    t.setup()
+    batch, st = t.collect()
+    # pi_old's log-probs under the truncation equal the sampler's (same model, same rule)
+    assert st["sampler_gap"] < 1e-4
+    assert torch.isfinite(batch.old_logp).all()
+    # without the truncation they would differ (the truncated distribution is renormalised)
+    from fastrl.rollout import sequence_logprobs
+
+    full = sequence_logprobs(t.policy, batch.rollout)
+    m = batch.rollout.completion_mask
+    assert ((full - batch.rollout.sampler_logp).abs() * m).max() > 1e-3
+    out = t.update(batch)
+    assert out["approx_kl"] == pytest.approx(0.0, abs=1e-6) or out["approx_kl"] >= 0
+
+
+def test_bf16_and_gradient_checkpointing_on_cpu(tmp_path):
+    t = Trainer(tiny(tmp_path / "a", dtype="bf16", gradient_checkpointing=True, algo="ppo"),
+                log=quiet)  # fmt: skip
+    t.train()
+    assert (
+        getattr(t.policy, "is_activation_checkpointing", None) or t.policy.is_gradient_checkpointing
+    )
+    rec = read_metrics(str(tmp_path / "a" / "metrics.jsonl"))[-1]
+    assert math.isfinite(rec["loss"]) and math.isfinite(rec["value_loss"])
+
+
+def test_report_to_tensorboard(tmp_path, monkeypatch, capsys):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        rc = main(["train", "--out", str(tmp_path / "x"), "--report-to", "tensorboard"])
+        assert rc == 2
+        assert "pip install tensorboard" in capsys.readouterr().err
+    scalars = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    Trainer(tiny(tmp_path / "tb", report_to="tensorboard"), log=quiet).train()
+    tags = {tag for tag, _, _ in scalars}
+    assert "reward/eval_accuracy" in tags and "train/loss" in tags and "train/lr" in tags
+    assert (tmp_path / "tb" / "metrics.jsonl").is_file()  # beside metrics.jsonl
+
+
+def test_max_time_stops_with_eval_and_checkpoint(tmp_path):
+    t = Trainer(tiny(tmp_path, steps=1000, max_time=1e-9, eval_every=500), log=quiet)
+    t.train()
+    recs = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert recs[-1]["step"] == 1 and "eval_accuracy" in recs[-1]
+    assert (tmp_path / "checkpoints" / "step-000001" / "hf").is_dir()
+
+
+# ----------------------------------------------------------------------- 5. metrics
+def test_metrics_say_what_happened(tmp_path):
+    lines = []
+    cfg = tiny(tmp_path / "d", algo="dapo", max_gen_batches=1, steps=2, group_size=2)
+    Trainer(cfg, log=lines.append).train()
+    rec = read_metrics(str(tmp_path / "d" / "metrics.jsonl"))[-1]
+    assert "kl" not in rec  # no reference: approx_kl is the KL to pi_old
+    for key in (
+        "approx_kl", "clipfrac_low", "clipfrac_high", "ratio_max", "reward_std", "adv_std",
+        "gen_time_s", "update_time_s", "kept_groups", "batch_full",
+    ):  # fmt: skip
+        assert key in rec, key
+    if not rec["batch_full"]:
+        assert any("training on a partially filled batch" in line for line in lines)
+    assert (tmp_path / "d" / "curves.png").stat().st_size > 10_000
+    Trainer(tiny(tmp_path / "g", kl_coef=0.1), log=quiet).train()
+    rec = read_metrics(str(tmp_path / "g" / "metrics.jsonl"))[-1]
+    assert rec["kl"] >= 0 and rec["approx_kl"] >= 0
