@@ -18,9 +18,17 @@ from typing import Any
 POLICIES = ("ppo", "cispo", "sapo", "reinforce")
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_IS_MODES = ("truncate", "mask")
+SEQ_RATIO_GRADS = ("mean", "token")
+KL_BIAS_RATIOS = ("token", "sequence")
 
 
 def _is_real(x: Any) -> bool:
@@ -56,6 +64,14 @@ class LossConfig:
     """`token` (PPO/GRPO: one ratio per token) or `sequence` (GSPO: the ratio of the
     length-normalised sequence log-likelihoods, broadcast over the sequence's tokens)."""
 
+    seq_ratio_grad: str = "mean"
+    """Gradient of the sequence ratio (`ratio_level="sequence"` only; SPEC 1). `mean` (GSPO
+    paper, TRL): log r_i = sum_t m_t (logp_t - old_t) / |y_i| and the gradient flows through
+    the mean, d log r_i / d logp_t = m_t / |y_i|. `token` (GSPO-token, verl's `gspo` loss mode):
+    log r_it = sg(log r_i) + logp_t - sg(logp_t), the same value with d log r_it / d logp_t = 1
+    for its own token only. The two gradients agree when the advantage is constant over each
+    sequence; they differ for per-token advantages."""
+
     kl_coef: float = 0.0
     """beta, the weight of the per-token KL to the reference policy. >= 0; when > 0 the caller
     must pass `ref_logp`."""
@@ -65,8 +81,14 @@ class LossConfig:
     clamped k3) or `abs`."""
 
     kl_bias_correction: bool = False
-    """Multiply each token's KL by its (token-level) importance ratio r_t, as in DeepSeek-V3.2
-    and TRL's `use_bias_correction_kl`."""
+    """Multiply each token's KL by an importance ratio (differentiable), as in DeepSeek-V3.2 and
+    TRL's `use_bias_correction_kl`; which ratio is `kl_bias_ratio`."""
+
+    kl_bias_ratio: str = "token"
+    """The ratio of `kl_bias_correction` (SPEC 4): `token` (r_t = exp(logp_t - old_t), the
+    unbiased reverse-KL gradient) or `sequence` (the GSPO sequence ratio r_i of SPEC 1, with
+    the gradient of `seq_ratio_grad`; what TRL multiplies by under
+    `importance_sampling_level="sequence"`). `sequence` couples the tokens of a sequence."""
 
     entropy_coef: float = 0.0
     """c_H, the weight of the entropy bonus: the loss gets -c_H * H_t per token. >= 0."""
@@ -77,7 +99,8 @@ class LossConfig:
 
     agg: str = "token-mean"
     """How per-token losses become one scalar (SPEC 5): `token-mean`, `seq-mean-token-mean`,
-    `seq-mean-token-sum` or `seq-mean-token-sum-norm`."""
+    `seq-mean-token-sum`, `seq-mean-token-sum-norm` or `token-sum` (verl: the plain masked sum,
+    no normaliser)."""
 
     num_tokens: float | None = None
     """Global token count for `token-mean` (across data-parallel ranks and gradient
@@ -98,7 +121,12 @@ class LossConfig:
     """Cap C of the rollout IS weight. Must be > 0 when `rollout_is` is set."""
 
     rollout_is_mode: str = "truncate"
-    """`truncate` (w = min(w, C)) or `mask` (w = w * 1[w <= C])."""
+    """`truncate` (w = clamp(w, C_min, C)) or `mask` (w = w * 1[C_min <= w <= C])."""
+
+    rollout_is_floor: float | None = None
+    """Lower bound C_min of the rollout IS weight (TRL `vllm_importance_sampling_clip_min`;
+    IcePop masks outside [C_min, C]). None: no lower bound. Otherwise a finite number >= 0 and
+    < `rollout_is_cap`; only used when `rollout_is` is set."""
 
     sapo_tau_pos: float = 1.0
     """SAPO gate temperature for A > 0. Must be > 0."""
@@ -130,6 +158,14 @@ class LossConfig:
         choice("agg", AGGS)
         choice("rollout_is", ROLLOUT_IS_LEVELS + (None,))
         choice("rollout_is_mode", ROLLOUT_IS_MODES)
+        choice("seq_ratio_grad", SEQ_RATIO_GRADS)
+        choice("kl_bias_ratio", KL_BIAS_RATIOS)
+        if self.seq_ratio_grad != "mean" and self.ratio_level != "sequence":
+            raise bad(
+                "seq_ratio_grad",
+                f"'mean' unless ratio_level='sequence' (it is the gradient of the sequence "
+                f"ratio; ratio_level={self.ratio_level!r})",
+            )
         real("clip_low", "a finite number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
         real("clip_high", "a finite number >= 0", lambda v: v >= 0.0)
         real("clip_dual", "None or a finite number > 1", lambda v: v > 1.0, optional=True)
@@ -154,6 +190,12 @@ class LossConfig:
                 "rollout_is_cap",
                 f"a finite number > 0 because rollout_is={self.rollout_is!r} is set",
             )
+        real(
+            "rollout_is_floor",
+            f"None or a finite number >= 0 and < rollout_is_cap = {self.rollout_is_cap}",
+            lambda v: v >= 0.0 and (self.rollout_is_cap is None or v < self.rollout_is_cap),
+            optional=True,
+        )
         real("sapo_tau_pos", "a finite number > 0", lambda v: v > 0.0)
         real("sapo_tau_neg", "a finite number > 0", lambda v: v > 0.0)
         if not isinstance(self.kl_bias_correction, bool):

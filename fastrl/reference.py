@@ -147,6 +147,8 @@ def aggregate(
     if agg == "seq-mean-token-sum-norm":
         max_len = T if max_len is None else max_len
         return total / (num_seqs * max_len)
+    if agg == "token-sum":  # verl's token-sum: no normaliser
+        return total
     raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
 
 
@@ -172,15 +174,17 @@ class TokenTerms:
     dual_clipped: Tensor  # 1 where the dual clip bites
     is_weight: Tensor | None = None  # w_t after truncation / masking (rollout IS only)
     is_weight_raw: Tensor | None = None  # w_t before it
-    is_over_cap: Tensor | None = None  # 1 where w_t > cap
+    is_over_cap: Tensor | None = None  # 1 where w_t lies outside [floor, cap] (truncated / masked)
 
 
 def is_token_separable(cfg: LossConfig) -> bool:
     """True when L_t depends on token t's own logp_t and H_t only (token-level ratio, no
-    sequence-level IS weight): then every per-token gradient is known as soon as the row's
-    logp and H are, and the fused paths compute dL/dz in the forward's pass over the row.
-    Any option that couples the tokens of a sequence must make this False."""
-    return cfg.ratio_level == "token" and cfg.rollout_is != "sequence"
+    sequence-level IS weight, no KL weighted by a sequence ratio): then every per-token gradient
+    is known as soon as the row's logp and H are, and the fused paths compute dL/dz in the
+    forward's pass over the row. Any option that couples the tokens of a sequence must make this
+    False (the fused paths then take their two-pass path)."""
+    seq_kl_weight = cfg.kl_coef != 0 and cfg.kl_bias_correction and cfg.kl_bias_ratio == "sequence"
+    return cfg.ratio_level == "token" and cfg.rollout_is != "sequence" and not seq_kl_weight
 
 
 def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
@@ -196,13 +200,18 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
 
     # SPEC 1: importance ratio
     token_log_ratio = logp - old_logp
+    seq_log_ratio = None
+    seq_kl_weight = cfg.kl_bias_correction and cfg.kl_bias_ratio == "sequence"
+    if cfg.ratio_level == "sequence" or seq_kl_weight:
+        # GSPO: length-normalised sequence log-ratio, broadcast over the sequence (B, T)
+        seq_log_ratio = masked_sum(token_log_ratio, mask, -1, keepdim=True)
+        seq_log_ratio = (seq_log_ratio / seq_lengths.clamp(min=1)).expand_as(logp)
+        if cfg.seq_ratio_grad == "token":  # GSPO-token (verl): sg(log r_i) + logp_t - sg(logp_t)
+            seq_log_ratio = seq_log_ratio.detach() + logp - logp.detach()
     if cfg.ratio_level == "token":
         log_ratio = token_log_ratio
-    else:  # GSPO: length-normalised sequence log-ratio, broadcast over the sequence
-        seq_log_ratio = masked_sum(token_log_ratio, mask, -1, keepdim=True) / seq_lengths.clamp(
-            min=1
-        )
-        log_ratio = seq_log_ratio.expand_as(logp)
+    else:
+        log_ratio = seq_log_ratio
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped_ratio = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
 
@@ -234,10 +243,12 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
         if cfg.rollout_is == "sequence":
             log_is_weight = masked_sum(log_is_weight, mask, -1, keepdim=True).expand_as(logp)
         is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        over_cap = (is_weight_raw > cfg.rollout_is_cap).float()
-        if cfg.rollout_is_mode == "truncate":
-            is_weight = torch.clamp(is_weight_raw, max=cfg.rollout_is_cap)
-        else:
+        floor = 0.0 if cfg.rollout_is_floor is None else cfg.rollout_is_floor
+        outside = (is_weight_raw > cfg.rollout_is_cap) | (is_weight_raw < floor)
+        over_cap = outside.float()
+        if cfg.rollout_is_mode == "truncate":  # w = clamp(w, floor, cap)
+            is_weight = torch.clamp(is_weight_raw, min=floor, max=cfg.rollout_is_cap)
+        else:  # w = w * 1[floor <= w <= cap]
             is_weight = is_weight_raw * (1 - over_cap)
         pg_loss = is_weight * pg_loss
         terms = {"is_weight": is_weight, "is_weight_raw": is_weight_raw, "is_over_cap": over_cap}
@@ -246,7 +257,8 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
     if x.ref_logp is not None:
         kl = kl_penalty(logp, x.ref_logp, cfg.kl_estimator)
         if cfg.kl_bias_correction:
-            kl = kl * torch.exp(torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            bias_log_ratio = token_log_ratio if cfg.kl_bias_ratio == "token" else seq_log_ratio
+            kl = kl * torch.exp(torch.clamp(bias_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     else:
         kl = torch.zeros_like(logp)
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import fastrl
+from fastrl import LossConfig
+from fastrl.integrations import logp_policy_inputs
 from fastrl.integrations.trl import loss_config_from_trl
+from fastrl.reference import aggregate, is_token_separable, token_terms
 
 trl = pytest.importorskip("trl")
 
@@ -79,30 +82,145 @@ def test_vllm_importance_sampling(tmp_path):
 @pytest.mark.parametrize(
     "fields, option",
     [
-        (dict(loss_type="luspo"), "loss_type"),
         (dict(loss_type="vespo"), "loss_type"),
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
         (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
         (dict(loss_type="cispo", epsilon_high=0.28), "epsilon_high"),
-        (
-            dict(beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"),
-            "use_bias_correction_kl",
-        ),
+        (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef"),
+        (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef"),
+        (dict(loss_type="bnpo", use_adaptive_entropy=True), "use_adaptive_entropy"),
         (
             dict(
                 use_vllm=True,
                 vllm_importance_sampling_correction=True,
                 vllm_importance_sampling_mode="token_mask",
                 vllm_importance_sampling_clip_min=0.5,
-                vllm_importance_sampling_clip_max=2.0,
+                vllm_importance_sampling_clip_max=None,
             ),
-            "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_clip_max",
         ),
     ],
 )
 def test_what_spec_cannot_express_raises(fields, option):
     with pytest.raises(ValueError, match=option):
         loss_config_from_trl(SimpleNamespace(**fields))
+
+
+def test_gspo_with_beta_weights_the_kl_by_the_sequence_ratio(tmp_path):
+    # TRL's default use_bias_correction_kl=True multiplies the KL by coef_1, the sequence ratio
+    args = grpo_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", beta=0.04)
+    cfg = loss_config_from_trl(args)
+    assert (cfg.ratio_level, cfg.kl_bias_correction, cfg.kl_bias_ratio) == (
+        "sequence",
+        True,
+        "sequence",
+    )
+    assert not is_token_separable(cfg)
+    token = loss_config_from_trl(grpo_config(tmp_path, beta=0.04))
+    assert (token.kl_bias_correction, token.kl_bias_ratio) == (True, "token")
+
+
+def test_entropy_coef_maps_for_bnpo_and_luspo_maps(tmp_path):
+    cfg = loss_config_from_trl(grpo_config(tmp_path, loss_type="bnpo", entropy_coef=0.01))
+    assert (cfg.agg, cfg.entropy_coef) == ("token-mean", 0.01)
+    luspo = loss_config_from_trl(
+        grpo_config(tmp_path, loss_type="luspo", importance_sampling_level="sequence")
+    )
+    assert (luspo.policy, luspo.agg, luspo.ratio_level) == ("ppo", "seq-mean-token-sum", "sequence")
+
+
+def test_vllm_clip_min_is_the_rollout_is_floor():
+    args = SimpleNamespace(
+        loss_type="grpo",
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_clip_max=2.0,
+        vllm_importance_sampling_clip_min=0.5,
+    )
+    cfg = loss_config_from_trl(args)
+    assert (cfg.rollout_is, cfg.rollout_is_mode) == ("sequence", "mask")
+    assert (cfg.rollout_is_floor, cfg.rollout_is_cap) == (0.5, 2.0)
+
+
+# ------------------------------------------------------------------- new LossConfig options
+def _terms(logp, cfg, A, old=None, ref=None, mask=None, rollout=None):
+    x = logp_policy_inputs(logp, A, old, ref, mask, rollout, cfg, {})
+    return x, token_terms(logp, torch.zeros_like(logp), x)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [("truncate", [0.5, 0.5, 1.0, 2.0]), ("mask", [0.0, 0.5, 1.0, 0.0])],
+)
+def test_rollout_is_floor(mode, expected):
+    # w = exp(old - roll) = 0.25, 0.5, 1, 4 with [C_min, C] = [0.5, 2]
+    old = torch.zeros(1, 4)
+    roll = -torch.log(torch.tensor([[0.25, 0.5, 1.0, 4.0]]))
+    cfg = LossConfig(policy="reinforce", rollout_is="token", rollout_is_cap=2.0,
+                     rollout_is_floor=0.5, rollout_is_mode=mode)  # fmt: skip
+    logp = torch.full((1, 4), -1.0, requires_grad=True)
+    _, t = _terms(logp, cfg, torch.ones(1), old=old, rollout=roll)
+    torch.testing.assert_close(t.is_weight, torch.tensor([expected]))
+    torch.testing.assert_close(t.is_over_cap, torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    torch.testing.assert_close(t.per_token_loss, torch.tensor([expected]))  # -w A logp
+
+
+def test_token_sum_aggregation():
+    L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate(L, m, "token-sum").item() == 7.0
+
+
+def test_seq_ratio_grad_token_is_gspo_token():
+    # value: the sequence ratio; gradient: -A_t r_i for its own token (verl's GSPO), instead of
+    # -(1/|y|) sum_s A_s r_i through the mean (TRL)
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, -0.6]])
+    A = torch.tensor([[1.0, -2.0, 0.5]])
+    r = torch.exp((logp.detach() - old).mean())
+    grads = {}
+    for grad in ("mean", "token"):
+        cfg = LossConfig(ratio_level="sequence", seq_ratio_grad=grad, clip_low=0.5, clip_high=0.5,
+                         agg="token-sum")  # fmt: skip
+        _, t = _terms(logp, cfg, A, old=old)
+        torch.testing.assert_close(t.ratio, r.expand(1, 3))
+        (grads[grad],) = torch.autograd.grad(t.per_token_loss.sum(), logp)
+    torch.testing.assert_close(grads["token"], -A * r)
+    torch.testing.assert_close(grads["mean"], (-(A.sum()) * r / 3).expand(1, 3))
+
+
+def test_kl_bias_ratio_sequence_is_trl_coef_1():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9, -0.7]])
+    ref = torch.tensor([[-1.3, -1.5, -0.2]])
+    cfg = LossConfig(ratio_level="sequence", kl_coef=0.1, kl_bias_correction=True,
+                     kl_bias_ratio="sequence")  # fmt: skip
+    _, t = _terms(logp, cfg, torch.zeros(1), old=old, ref=ref)
+    # TRL: per_token_kl * coef_1 with coef_1 = exp(mean(logp - old)), differentiable
+    coef_1 = torch.exp((logp - old).mean())
+    expected = (torch.exp(ref - logp) - (ref - logp) - 1) * coef_1
+    torch.testing.assert_close(t.kl, expected)
+    (g1,) = torch.autograd.grad(t.kl.sum(), logp, retain_graph=True)
+    (g2,) = torch.autograd.grad(expected.sum(), logp)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_new_options_validated_and_separability():
+    for field, value, msg in [
+        ("seq_ratio_grad", "token", "seq_ratio_grad"),
+        ("kl_bias_ratio", "seq", "kl_bias_ratio"),
+        ("rollout_is_floor", -0.1, "rollout_is_floor"),
+        ("rollout_is_floor", 3.0, "rollout_is_floor"),  # above the cap 2.0
+        ("agg", "token-total", "agg"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            LossConfig(**{field: value})
+    assert is_token_separable(LossConfig(agg="token-sum", rollout_is="token", rollout_is_floor=0.5))
+    assert not is_token_separable(LossConfig(ratio_level="sequence", seq_ratio_grad="token"))
+    seq_kl = LossConfig(kl_coef=0.1, kl_bias_correction=True, kl_bias_ratio="sequence")
+    assert not is_token_separable(seq_kl)
+    assert is_token_separable(seq_kl.replace(kl_coef=0.0))
 
 
 # ----------------------------------------------------------------------------------- verl
@@ -136,24 +254,36 @@ def test_verl_grpo_style_actor():
 
 
 @pytest.mark.parametrize(
-    "loss_mode, policy, level, dual",
+    "loss_mode, policy, level, dual, grad",
     [
-        ("vanilla", "ppo", "token", 3.0),
-        ("gspo", "ppo", "sequence", None),
-        ("gpg", "reinforce", "token", None),
+        ("vanilla", "ppo", "token", 3.0, "mean"),
+        ("fastrl", "ppo", "token", 3.0, "mean"),
+        ("gspo", "ppo", "sequence", None, "token"),
+        ("fastrl_gspo", "ppo", "sequence", None, "token"),
+        ("gpg", "reinforce", "token", None, "mean"),
+        ("cispo", "cispo", "token", None, "mean"),
+        ("sapo", "sapo", "token", None, "mean"),
     ],
 )
-def test_verl_loss_modes(loss_mode, policy, level, dual):
+def test_verl_loss_modes(loss_mode, policy, level, dual, grad):
     from fastrl.integrations.verl import loss_config_from_verl
 
-    cfg = loss_config_from_verl({"policy_loss": {"loss_mode": loss_mode}})
+    actor = {"policy_loss": {"loss_mode": loss_mode}, "loss_agg_mode": "token-sum",
+             "tau_pos": 0.9, "tau_neg": 1.2}  # fmt: skip
+    cfg = loss_config_from_verl(actor)
     assert (cfg.policy, cfg.ratio_level, cfg.clip_dual) == (policy, level, dual)
+    assert cfg.seq_ratio_grad == grad
+    # verl's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says
+    assert cfg.agg == ("seq-mean-token-mean" if policy == "sapo" else "token-sum")
+    assert (cfg.sapo_tau_pos, cfg.sapo_tau_neg) == (0.9, 1.2)
 
 
 @pytest.mark.parametrize(
     "actor, option",
     [
         ({"policy_loss": {"loss_mode": "clip_cov"}}, "loss_mode"),
+        ({"policy_loss": {"loss_mode": "geo_mean"}}, "loss_mode"),
+        ({"policy_loss": {"loss_mode": "bypass_mode"}}, "loss_mode"),
         ({"use_kl_loss": True, "kl_loss_type": "full"}, "kl_loss_type"),
         ({"use_kl_loss": True, "kl_loss_type": "k3+"}, "kl_loss_type"),
     ],
