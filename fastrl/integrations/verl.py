@@ -1,6 +1,36 @@
-"""verl adapter: the `LossConfig` of a verl actor config (`actor_rollout_ref.actor`).
+"""verl: fastrl in a verl run by one call, and the `LossConfig` of a verl actor config.
 
-    from fastrl.integrations.verl import loss_config_from_verl
+    import fastrl.integrations.verl as fastrl_verl
+    fastrl_verl.install()          # before verl builds its workers / engines
+    # then, in the verl config:  actor_rollout_ref.actor.policy_loss.loss_mode=fastrl
+    #                            (or fastrl_gspo, fastrl_sapo, fastrl_cispo, fastrl_gpg)
+
+`install()` does two things (verl stays an optional dependency: only `install` imports it):
+
+1. registers fastrl's policy loss in verl's policy-loss registry
+   (`verl.trainer.ppo.core_algos.register_policy_loss`) as `fastrl` (= verl's `vanilla`, the
+   dual-clip PPO) and `fastrl_<mode>` for verl's gspo / sapo / cispo / gpg. The loss is SPEC 1-5
+   (`fastrl.reference.token_terms` / `aggregate`, the code fastrl's kernels are checked
+   against) with `loss_config_from_verl(actor)`, verl's normalisers (`global_batch_info`:
+   dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) and verl's precomputed
+   `rollout_is_weights` (verl's rollout correction) multiplying each token's policy term as in
+   verl. verl adds its own KL and entropy terms around it, as for its built-in modes.
+2. routes verl's logits -> log-prob / entropy computation to fastrl's ops:
+   `verl.utils.torch_functional.logprobs_from_logits` -> `fastrl.logprobs`,
+   `entropy_from_logits` / `entropy_from_logits_with_chunking` -> `fastrl.logprobs(...,
+   entropy=True)`, and the fused-kernel path (`use_fused_kernels=True`,
+   `verl.utils.experimental.torch_functional.FusedLinearForPPO`) -> `fastrl.linear_logprobs`
+   (hidden states and lm_head weight in, (B, T, V) logits never held). Modules that imported
+   these names already are patched too; engines that cached them (verl's FSDP engine keeps
+   `compute_entropy_from_logits`) must be built after `install()`. Log-probs and entropies
+   come back in fp32 (verl's own log-probs follow the logits' dtype).
+
+verl runs its workers in Ray processes: set `VERL_USE_EXTERNAL_MODULES=fastrl.integrations.verl`
+in their environment (verl imports the listed modules when it is imported; this module then
+calls `install()` itself), e.g. through `ray_kwargs.ray_init.runtime_env.env_vars`.
+
+`loss_config_from_verl(actor)` alone gives the LossConfig for `fastrl.policy_loss`:
+
     cfg = loss_config_from_verl(config.actor_rollout_ref.actor)   # a DictConfig or a dict
     out = fastrl.policy_loss(response_logits, responses, advantages, old_log_prob,
                              ref_log_prob, response_mask, config=cfg)
@@ -10,28 +40,52 @@ ratio clamp, low_var_kl), so this mostly renames:
 
     clip_ratio / clip_ratio_low / clip_ratio_high -> clip_low / clip_high
     clip_ratio_c                                   -> clip_dual (policy_loss.loss_mode vanilla)
-    loss_agg_mode                                  -> agg (loss_scale_factor -> max_len)
+    loss_agg_mode (token-mean, token-sum,
+                   seq-mean-token-mean / -sum / -sum-norm) -> agg (loss_scale_factor -> max_len)
     use_kl_loss, kl_loss_coef, kl_loss_type        -> kl_coef, kl_estimator
     entropy_coeff                                  -> entropy_coef
-    policy_loss.loss_mode vanilla / gspo / gpg     -> ppo / ppo + sequence ratios / reinforce
+    tau_pos / tau_neg                              -> sapo_tau_pos / sapo_tau_neg
+    policy_loss.loss_mode vanilla                  -> ppo + dual clip
+                          gspo                     -> ppo, sequence ratio, seq_ratio_grad="token"
+                          sapo                     -> sapo, agg seq-mean-token-mean (verl's sapo
+                                                      ignores loss_agg_mode)
+                          cispo                    -> cispo (clip_ratio_low / _high)
+                          gpg                      -> reinforce
 
 verl's kl_loss_type names differ from SPEC's: verl's "k3" is the clamped low_var_kl (SPEC's
 `low_var_kl`), "kl" is k1 and "mse" is k2. What SPEC cannot express raises a ValueError naming
-the option: the clip-cov / kl-cov loss modes, the "full" KL and the straight-through "+" KL
-variants. verl's GSPO clamps the sequence log-ratio at +10 rather than +-20, which only matters
-where the ratio is above e^10.
+the option: the loss modes clip_cov, kl_cov, geo_mean, dro, dppo_tv, dppo_kl and bypass_mode,
+the "full" KL and the straight-through "+" KL variants. verl's GSPO clamps the log-ratio at +10
+rather than +-20, which only matters where the ratio is above e^10. verl's seq-mean modes count
+only sequences with a counted token when no global batch size is given (the registered loss
+passes that count); its `token-sum` and the others are multiplied by dp_size (done by the
+registered loss; `fastrl.policy_loss` users pass global counts divided by dp_size).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from ..config import LossConfig
+from . import logp_policy_inputs
 
 _KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2"}
 _KL_TYPES.update({"low_var_kl": "low_var_kl", "k3": "low_var_kl"})
-_LOSS_MODES = {"vanilla": "ppo", "gspo": "ppo", "gpg": "reinforce"}
+# verl loss_mode -> (policy, ratio_level)
+_LOSS_MODES = {
+    "vanilla": ("ppo", "token"),
+    "gspo": ("ppo", "sequence"),
+    "sapo": ("sapo", "token"),
+    "cispo": ("cispo", "token"),
+    "gpg": ("reinforce", "token"),
+}
+FASTRL_MODES = ("fastrl",) + tuple(f"fastrl_{m}" for m in _LOSS_MODES if m != "vanilla")
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -42,25 +96,45 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def loss_config_from_verl(actor: Any, **overrides: Any) -> LossConfig:
+def _base_mode(loss_mode: str) -> str:
+    """`fastrl` -> `vanilla`, `fastrl_gspo` -> `gspo`; verl's own names unchanged."""
+    if loss_mode == "fastrl":
+        return "vanilla"
+    if loss_mode.startswith("fastrl_"):
+        return loss_mode[len("fastrl_") :]
+    return loss_mode
+
+
+def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrides: Any):
     """LossConfig equal to verl's actor loss for `actor` (a mapping / DictConfig / dataclass
-    with verl's actor fields); `overrides` are applied last (e.g. `temperature`, `num_tokens`)."""
+    with verl's actor fields). `loss_mode` replaces `actor.policy_loss.loss_mode` (`fastrl` and
+    `fastrl_<mode>` read as verl's `vanilla` / `<mode>`); `overrides` are LossConfig fields
+    applied last (e.g. `temperature`, `num_tokens`)."""
     clip = _get(actor, "clip_ratio", 0.2)
-    loss_mode = _get(_get(actor, "policy_loss", {}), "loss_mode", "vanilla")
-    if loss_mode not in _LOSS_MODES:
+    if loss_mode is None:
+        loss_mode = _get(_get(actor, "policy_loss", {}), "loss_mode", "vanilla")
+    mode = _base_mode(loss_mode)
+    if mode not in _LOSS_MODES:
         raise ValueError(
             f"verl policy_loss.loss_mode={loss_mode!r} has no fastrl equivalent; supported: "
-            f"{sorted(_LOSS_MODES)}"
+            f"{sorted(_LOSS_MODES)} (and {list(FASTRL_MODES)} once installed)"
         )
+    policy, level = _LOSS_MODES[mode]
+    agg = _get(actor, "loss_agg_mode", "token-mean")
     fields: dict[str, Any] = dict(
-        policy=_LOSS_MODES[loss_mode],
-        ratio_level="sequence" if loss_mode == "gspo" else "token",
+        policy=policy,
+        ratio_level=level,
         clip_low=float(_get(actor, "clip_ratio_low", clip)),
         clip_high=float(_get(actor, "clip_ratio_high", clip)),
-        clip_dual=float(_get(actor, "clip_ratio_c", 3.0)) if loss_mode == "vanilla" else None,
-        agg=_get(actor, "loss_agg_mode", "token-mean"),
+        clip_dual=float(_get(actor, "clip_ratio_c", 3.0)) if mode == "vanilla" else None,
+        # verl's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says
+        agg="seq-mean-token-mean" if mode == "sapo" else agg,
         entropy_coef=float(_get(actor, "entropy_coeff", 0.0)),
+        sapo_tau_pos=float(_get(actor, "tau_pos", 1.0)),
+        sapo_tau_neg=float(_get(actor, "tau_neg", 1.05)),
     )
+    if mode == "gspo":  # verl: log r_t = sg(log r_i) + logp_t - sg(logp_t)
+        fields["seq_ratio_grad"] = "token"
     scale = _get(actor, "loss_scale_factor")
     if scale is not None:
         fields["max_len"] = int(scale)
@@ -77,4 +151,223 @@ def loss_config_from_verl(actor: Any, **overrides: Any) -> LossConfig:
     return LossConfig().replace(**fields)
 
 
-__all__ = ["loss_config_from_verl"]
+# ============================================================================ registered loss
+def _verl_counts(agg: str, mask: Tensor, info: Mapping) -> tuple[dict, float]:
+    """verl's `agg_loss` normalisers as fastrl counts: ({num_tokens / num_seqs}, the factor
+    dp_size the aggregated loss is multiplied by)."""
+    dp = int(info.get("dp_size") or 1)
+    counts: dict[str, Any] = {}
+    if agg == "token-mean":
+        tokens = info.get("batch_num_tokens")
+        counts["num_tokens"] = mask.sum() if tokens is None else tokens
+    elif agg.startswith("seq-mean"):
+        seqs = info.get("global_batch_size")
+        counts["num_seqs"] = (mask.sum(-1) > 0).sum() if seqs is None else seqs
+    counts = {
+        k: torch.as_tensor(v, dtype=torch.float32, device=mask.device).reshape(()).clamp(min=1e-20)
+        for k, v in counts.items()
+    }
+    return counts, float(dp)
+
+
+def make_policy_loss(loss_mode: str = "fastrl"):
+    """A verl policy-loss function (verl's `PolicyLossFn` signature) computing SPEC 1-5 with
+    the LossConfig of verl's actor config for `loss_mode`, verl's normalisers and its
+    precomputed `rollout_is_weights`. Returns (loss, metrics) with verl's metric names."""
+    from ..reference import aggregate, token_terms
+
+    base = _base_mode(loss_mode)
+    if base not in _LOSS_MODES:
+        raise ValueError(f"loss_mode={loss_mode!r}: expected one of {list(FASTRL_MODES)}")
+
+    def fastrl_policy_loss(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """verl policy loss `loss_mode` by fastrl: log_prob / old_log_prob / advantages /
+        response_mask / rollout_is_weights (B, T). KL and entropy are verl's (kl_coef =
+        entropy_coef = 0 here); rollout_is_weights w >= 0 multiply the policy term, which is
+        positively homogeneous in A for every SPEC policy, so w_t ℓ_t(A_t) = ℓ_t(w_t A_t)."""
+        if config is None:
+            raise ValueError("the fastrl verl policy loss needs verl's actor config (config=)")
+        agg = "seq-mean-token-mean" if base == "sapo" else loss_agg_mode
+        info = dict(_get(config, "global_batch_info", {}) or {})
+        counts, scale = _verl_counts(agg, response_mask, info)
+        # the policy term only: verl adds its KL and entropy terms itself
+        actor = {**_actor_fields(config), "use_kl_loss": False}
+        cfg = loss_config_from_verl(actor, loss_mode=base, agg=agg, entropy_coef=0.0)
+        weighted = advantages
+        if rollout_is_weights is not None:
+            weighted = advantages * rollout_is_weights.detach()
+        logp = log_prob.float()
+        x = logp_policy_inputs(logp, weighted, old_log_prob, None, response_mask, None, cfg,
+                               counts)  # fmt: skip
+        t = token_terms(logp, torch.zeros_like(logp), x)
+        loss = aggregate(t.per_token_loss, x.mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
+        return loss * scale, _verl_metrics(base, t, x, logp, advantages, cfg)
+
+    fastrl_policy_loss.__name__ = f"fastrl_policy_loss_{base}"
+    return fastrl_policy_loss
+
+
+def _actor_fields(config: Any) -> dict:
+    """The actor fields `loss_config_from_verl` reads, from an ActorConfig / DictConfig / dict."""
+    keys = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+            "tau_pos", "tau_neg", "loss_scale_factor")  # fmt: skip
+    return {k: _get(config, k) for k in keys if _get(config, k) is not None}
+
+
+def _verl_metrics(base: str, t, x, logp: Tensor, A: Tensor, cfg: LossConfig) -> dict[str, float]:
+    """verl's pg metrics with verl's meaning: pg_clipfrac (share of counted tokens whose clipped
+    term wins; for cispo the share whose ratio is clipped; 0 for sapo), ppo_kl (mean of
+    old - logp), pg_clipfrac_lower (share where the dual clip bites; 0 but for vanilla), with
+    verl's advantages A (B, T) before the rollout IS weights."""
+    from ..reference import masked_mean
+
+    if base == "gpg":
+        return {}
+    with torch.no_grad():
+        mask, ratio = x.mask, t.ratio.detach()
+        A = A.detach().float().expand_as(mask)
+        zero = torch.zeros((), device=mask.device)
+        if base == "sapo":
+            clipfrac = zero
+        elif base == "cispo":
+            clipped = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
+            clipfrac = masked_mean(clipped.float(), mask)
+        else:
+            high = (A > 0) & (ratio > 1 + cfg.clip_high)
+            low = (A < 0) & (ratio < 1 - cfg.clip_low)
+            clipfrac = masked_mean((high | low).float(), mask)
+        ppo_kl = masked_mean(x.old_logp - logp.detach(), mask)
+        lower = zero
+        if base == "vanilla":
+            pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
+            lower = masked_mean(((A < 0) & (pg > -A * cfg.clip_dual)).float(), mask)
+    return {
+        "actor/pg_clipfrac": clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": lower.item(),
+    }
+
+
+# ============================================================================ kernel routing
+_ORIGINALS: dict[tuple[str, str], Any] = {}
+
+
+def _logprobs_from_logits(logits: Tensor, labels: Tensor, inplace_backward: bool = True):
+    """verl's `logprobs_from_logits` (logits (..., V), labels (...)) on `fastrl.logprobs`:
+    fp32 log-probs shaped like labels, one streaming pass, no (N, V) copy for the backward."""
+    import fastrl
+
+    shape = labels.shape
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return fastrl.logprobs(logits, labels.reshape(-1).long()).view(shape)
+
+
+def _entropy_from_logits(logits: Tensor, chunk_size: int | None = None):
+    """verl's `entropy_from_logits` / `entropy_from_logits_with_chunking` on `fastrl.logprobs(
+    ..., entropy=True)` (fp32, shaped like logits without V; already chunked)."""
+    import fastrl
+
+    shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    tokens = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return fastrl.logprobs(flat, tokens, entropy=True)[1].view(shape)
+
+
+def _fused_linear_for_ppo_forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+    """verl's `FusedLinearForPPO.forward` on `fastrl.linear_logprobs`: (log_probs fp32,
+    entropy in the hidden states' dtype, as verl returns them), never holding the logits."""
+    import fastrl
+
+    log_probs, entropy = fastrl.linear_logprobs(
+        hidden_states, vocab_weights.to(hidden_states.dtype), input_ids.long(),
+        temperature=float(temperature), entropy=True,
+    )  # fmt: skip
+    return log_probs, entropy.to(hidden_states.dtype)
+
+
+def _patch(module, name: str, new) -> None:
+    key = (module.__name__, name)
+    if key not in _ORIGINALS:
+        _ORIGINALS[key] = getattr(module, name)
+    setattr(module, name, new)
+
+
+def install(losses: bool = True, kernels: bool = True) -> list[str]:
+    """Put fastrl into verl (idempotent). `losses`: register `fastrl` and `fastrl_<mode>` in
+    verl's policy-loss registry. `kernels`: route verl's logprobs_from_logits /
+    entropy_from_logits / entropy_from_logits_with_chunking and FusedLinearForPPO to fastrl's
+    ops, in verl.utils.torch_functional and in every verl module that imported them by name.
+    Returns the registered loss modes. `uninstall()` undoes it."""
+    try:
+        from verl.trainer.ppo import core_algos
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "fastrl.integrations.verl.install() needs verl (pip install verl); "
+            f"importing verl.trainer.ppo.core_algos failed: {e}"
+        ) from e
+    modes: list[str] = []
+    if losses:
+        for mode in FASTRL_MODES:
+            core_algos.register_policy_loss(mode)(make_policy_loss(mode))
+            modes.append(mode)
+    if kernels:
+        import verl.utils.torch_functional as verl_F
+        from verl.utils.experimental import torch_functional as verl_exp
+
+        new = {
+            "logprobs_from_logits": _logprobs_from_logits,
+            "entropy_from_logits": _entropy_from_logits,
+            "entropy_from_logits_with_chunking": _entropy_from_logits,
+        }
+        originals = {name: _ORIGINALS.get((verl_F.__name__, name), getattr(verl_F, name))
+                     for name in new}  # fmt: skip
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("verl")]:
+            for name, fn in new.items():
+                if module is verl_F or getattr(module, name, None) is originals[name]:
+                    _patch(module, name, fn)
+        _patch(verl_exp.FusedLinearForPPO, "forward", _fused_linear_for_ppo_forward)
+    return modes
+
+
+def uninstall() -> None:
+    """Undo `install()`'s routing and remove the fastrl loss modes from verl's registry."""
+    for (module_name, name), original in _ORIGINALS.items():
+        owner = sys.modules.get(module_name)
+        if owner is None:
+            from verl.utils.experimental import torch_functional as verl_exp
+
+            owner = verl_exp.FusedLinearForPPO if name == "forward" else None
+        if owner is not None:
+            setattr(owner, name, original)
+    _ORIGINALS.clear()
+    core_algos = sys.modules.get("verl.trainer.ppo.core_algos")
+    if core_algos is not None:
+        for mode in FASTRL_MODES:
+            core_algos.POLICY_LOSS_REGISTRY.pop(mode, None)
+
+
+# Ray workers: VERL_USE_EXTERNAL_MODULES=fastrl.integrations.verl makes verl import this module
+# when verl itself is imported; install there and then.
+if __name__ in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","):
+    install()
+
+
+__all__ = [
+    "FASTRL_MODES",
+    "install",
+    "loss_config_from_verl",
+    "make_policy_loss",
+    "uninstall",
+]

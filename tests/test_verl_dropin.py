@@ -1,0 +1,260 @@
+"""fastrl.integrations.verl.install() against verl's own code (verl 0.9.1, installed with
+--no-deps; skipped without it): every registered `fastrl*` loss mode equals verl's mode in loss,
+gradient and metrics; verl's `ppo_loss` (workers/utils/losses.py) trains a tiny model to the same
+parameters with fastrl installed (its log-probs / entropies on fastrl's ops, through verl's
+`logprobs_from_logits` / `entropy_from_logits` or its fused `FusedLinearForPPO` path) as with
+verl's own; `uninstall()` restores verl."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("verl.trainer.ppo.core_algos", exc_type=ImportError)
+pytest.importorskip("verl.workers.utils.losses", exc_type=ImportError)
+
+import verl.utils.torch_functional as verl_F  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.experimental.torch_functional import FusedLinearForPPO  # noqa: E402
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+import fastrl  # noqa: E402
+import fastrl.integrations.verl as fastrl_verl  # noqa: E402
+from fastrl.rollout import default_model  # noqa: E402
+
+MODES = ["vanilla", "gspo", "sapo", "cispo", "gpg"]
+AGGS = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+        "seq-mean-token-sum-norm"]  # fmt: skip
+
+
+@pytest.fixture
+def installed():
+    modes = fastrl_verl.install()
+    yield modes
+    fastrl_verl.uninstall()
+
+
+def actor_config(mode: str, **kw) -> FSDPActorConfig:
+    base = dict(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        policy_loss=PolicyLossConfig(loss_mode=mode),
+    )
+    base.update(kw)
+    return FSDPActorConfig(**base)
+
+
+def fastrl_mode(mode: str) -> str:
+    return "fastrl" if mode == "vanilla" else f"fastrl_{mode}"
+
+
+def test_install_registers_and_uninstall_restores():
+    original = verl_F.logprobs_from_logits
+    assert fastrl_verl.install() == list(fastrl_verl.FASTRL_MODES)
+    try:
+        assert set(fastrl_verl.FASTRL_MODES) <= set(core_algos.POLICY_LOSS_REGISTRY)
+        assert verl_F.logprobs_from_logits is not original
+    finally:
+        fastrl_verl.uninstall()
+    assert verl_F.logprobs_from_logits is original
+    assert not set(fastrl_verl.FASTRL_MODES) & set(core_algos.POLICY_LOSS_REGISTRY)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("agg", AGGS)
+def test_policy_loss_modes_equal_verl(mode, agg, installed):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    mask = torch.rand(B, T, generator=g) > 0.2
+    mask[2] = False  # a fully masked sequence (verl's seq-mean counts only non-empty ones)
+    advantages = torch.randn(B, T, generator=g)  # per token: GSPO-token's gradient shows
+    old = -2 * torch.rand(B, T, generator=g)
+    weights = 2 * torch.rand(B, T, generator=g)
+    weights[0, :3] = 0  # rollout correction that rejects tokens
+    new = old + 0.3 * torch.randn(B, T, generator=g)
+    infos = [{}, dict(dp_size=2, batch_num_tokens=70, global_batch_size=12)]
+    for info in infos:
+        for w in (None, weights):
+            config = actor_config(mode, loss_agg_mode=agg)
+            config.global_batch_info.update(info)
+            results = []
+            for name in (mode, fastrl_mode(mode)):
+                logp = new.clone().requires_grad_()
+                loss, metrics = core_algos.get_policy_loss_fn(name)(
+                    old_log_prob=old, log_prob=logp, advantages=advantages,
+                    response_mask=mask, loss_agg_mode=agg, config=config,
+                    rollout_is_weights=w,
+                )  # fmt: skip
+                (grad,) = torch.autograd.grad(loss, logp)
+                results.append((loss.detach(), grad, metrics))
+            (theirs, g1, m1), (ours, g2, m2) = results
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-6)
+            assert m2.keys() == m1.keys()
+            for k in m1:
+                assert m2[k] == pytest.approx(m1[k], abs=1e-6), (mode, agg, info, k)
+            assert g1.abs().sum() > 0
+
+
+def test_refused_loss_modes():
+    for mode in ("clip_cov", "kl_cov", "geo_mean", "dro", "dppo_tv", "dppo_kl", "bypass_mode"):
+        with pytest.raises(ValueError, match="loss_mode"):
+            fastrl_verl.loss_config_from_verl({"policy_loss": {"loss_mode": mode}})
+
+
+def test_kernels_routed_to_fastrl(installed, monkeypatch):
+    calls = []
+    for name in ("logprobs", "linear_logprobs"):
+        real = getattr(fastrl, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(fastrl, name, counting)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 40, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (3, 5), generator=g)
+    hidden = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, requires_grad=True)
+
+    def outputs():
+        return [
+            verl_F.logprobs_from_logits(logits, labels),
+            verl_F.entropy_from_logits(logits),
+            verl_F.entropy_from_logits_with_chunking(logits.reshape(15, 40), chunk_size=4),
+            *FusedLinearForPPO().forward(hidden, weight, labels, temperature=0.7),
+        ]
+
+    ours = outputs()
+    assert calls == ["logprobs", "logprobs", "logprobs", "linear_logprobs"]
+    fastrl_verl.uninstall()
+    theirs = outputs()
+    fastrl_verl.install()
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    weights = [torch.randn(o.shape, generator=g) for o in ours]
+    grads = [torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)),
+                                 [logits, hidden, weight]) for out in (ours, theirs)]  # fmt: skip
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------- training with verl's ppo_loss
+def _batch(vocab: int, seed: int = 0):
+    """A verl-style padded batch: left-padded prompts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, R = 6, 4, 7
+    prompts = torch.randint(3, vocab, (B, P), generator=g)
+    responses = torch.randint(3, vocab, (B, R), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    prompt_mask[4, :1] = 0
+    response_mask = torch.ones(B, R, dtype=torch.long)
+    response_mask[0, 5:] = 0
+    response_mask[3, 2:] = 0
+    prompts = prompts * prompt_mask
+    responses = responses * response_mask
+    return dict(
+        prompts=prompts,
+        responses=responses,
+        attention_mask=torch.cat([prompt_mask, response_mask], 1),
+        response_mask=response_mask,
+        advantages=torch.randn(B, R, generator=g) * response_mask,
+        rollout_is_weights=(0.5 + torch.rand(B, R, generator=g)) * response_mask,
+    )
+
+
+def _model_output(model, batch, fused: bool):
+    """verl's no-padding log-probs / entropies: (total_nnz,) over every real token, position i
+    scoring token i + 1, through verl's logprobs_from_logits / entropy_from_logits, or its fused
+    FusedLinearForPPO on the hidden states (use_fused_kernels)."""
+    input_ids = torch.cat([batch["prompts"], batch["responses"]], 1)
+    am = batch["attention_mask"]
+    position_ids = (am.cumsum(-1) - 1).clamp(min=0)
+    labels = torch.roll(input_ids, shifts=-1, dims=-1)
+    real = am.bool()
+    if fused:
+        hidden = model.model(input_ids=input_ids, attention_mask=am, position_ids=position_ids)
+        log_probs, entropy = FusedLinearForPPO().forward(
+            hidden.last_hidden_state[real], model.lm_head.weight, labels[real]
+        )
+        return {"log_probs": log_probs, "entropy": entropy}
+    logits = model(input_ids=input_ids, attention_mask=am, position_ids=position_ids).logits
+    return {
+        "log_probs": verl_F.logprobs_from_logits(logits[real], labels[real]),
+        "entropy": verl_F.entropy_from_logits(logits[real]),
+    }
+
+
+def _train(mode: str, fused: bool, steps: int = 3):
+    model = default_model(48, seed=0, hidden=32, layers=2)
+    model.config.use_cache = False
+    batch = _batch(48)
+    with torch.no_grad():
+        out = _model_output(model, batch, fused)
+        td = tu.get_tensordict({k: batch[k] for k in ("prompts", "responses", "attention_mask")})
+        old = verl_padded(out["log_probs"], td)
+    config = actor_config(
+        mode, loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_coef=0.05,
+        kl_loss_type="low_var_kl", entropy_coeff=0.01,
+    )  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(steps):
+        data = tu.get_tensordict(
+            {**batch, "old_log_probs": old, "ref_log_prob": old - 0.05},
+            {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None},
+        )
+        loss, _ = ppo_loss(config, _model_output(model, batch, fused), data)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return before, [p.detach().clone() for p in model.parameters()]
+
+
+def verl_padded(values, td):
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(values, td)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_linear"])
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo"])
+def test_ppo_loss_training_equals_verl(mode, fused, monkeypatch):
+    before, theirs = _train(mode, fused)
+    calls = []
+    for name in ("logprobs", "linear_logprobs"):
+        real = getattr(fastrl, name)
+        monkeypatch.setattr(fastrl, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
+    fastrl_verl.install()
+    try:
+        start, ours = _train(fastrl_mode(mode), fused)
+    finally:
+        fastrl_verl.uninstall()
+    assert calls, "fastrl's ops did not run"
+    assert all(torch.equal(a, b) for a, b in zip(before, start))
+    update = torch.cat([(b - a).flatten() for a, b in zip(before, theirs)]).norm()
+    diff = torch.cat([(b - a).flatten() for a, b in zip(theirs, ours)]).norm()
+    assert update > 0.05, f"verl's own run barely moved ({update:.3g})"
+    assert diff / update <= 1e-4, f"relative update difference {diff / update:.3g}"
+
+
+def test_ray_workers_install_through_verl_external_modules():
+    code = (
+        "import verl, verl.utils.torch_functional as F\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "assert F.logprobs_from_logits.__module__ == 'fastrl.integrations.verl'\n"
+        "assert 'fastrl_gspo' in core_algos.POLICY_LOSS_REGISTRY\n"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "fastrl.integrations.verl"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
