@@ -122,12 +122,14 @@ def save_checkpoint(
 ) -> str:
     """Write checkpoint `step` under `root` atomically; return its directory.
 
-    models: name -> nn.Module (weights saved as NAME.safetensors); optim_state: anything
+    models: name -> nn.Module or a full state dict (weights saved as NAME.safetensors; tensors
+    that share memory, i.e. tied weights, are written once per state dict for a module, and
+    copied for a state dict); optim_state: anything
     torch.save can write (optimizer + scheduler); state: JSON (step, config, RNG of rank 0);
     rank_states: one JSON RNG state per rank (distributed runs); export: a callable that writes
     more files into the directory it is given (the checkpoint's, before it is complete: the
     Hugging Face export `hf/`), so they are part of the atomic rename."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
 
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step-{step:06d}")
@@ -135,7 +137,15 @@ def save_checkpoint(
     try:
         for name, model in models.items():
             path = os.path.join(tmp, f"{name}.safetensors")
-            save_model(model, path)
+            if isinstance(model, dict):  # a full state dict (FSDP2): copies of shared tensors
+                seen, sd = set(), {}
+                for k, v in model.items():
+                    key = (v.data_ptr(), v.dtype, tuple(v.shape))
+                    sd[k] = v.clone() if key in seen else v.contiguous()
+                    seen.add(key)
+                save_file(sd, path)
+            else:
+                save_model(model, path)
             _fsync_file(path)
         path = os.path.join(tmp, "optimizer.pt")
         torch.save(optim_state, path)

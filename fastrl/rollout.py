@@ -207,13 +207,16 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    sync_stop: bool = False,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
 
     Every step draws the next token of all unfinished sequences with `fastrl.sample` on the last
     logits row (temperature 0 = greedy) and records its log-prob under the sampling distribution.
     A sequence stops at its first EOS or after `max_new_tokens` tokens; the loop stops when all
-    have stopped. Positions are counted from the first real prompt token, as in HF `generate`."""
+    have stopped (with `sync_stop`, when they have on every rank: a sharded model's forwards are
+    collectives, so every rank must make the same number). Positions are counted from the first
+    real prompt token, as in HF `generate`."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if group_size < 1:
@@ -242,7 +245,11 @@ def generate(
         logps.append(torch.where(alive, logp.float(), 0.0))
         masks.append(alive.float())
         done = done | torch.isin(tok, eos)
-        if bool(done.all()):
+        all_done = done.all()
+        if sync_stop and torch.distributed.is_initialized():
+            all_done = all_done.to(torch.int32)
+            torch.distributed.all_reduce(all_done, op=torch.distributed.ReduceOp.MIN)
+        if bool(all_done):
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         out = model(

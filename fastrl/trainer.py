@@ -88,6 +88,12 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
             )
         if cfg.fsdp and self.world == 1:
             raise ValueError("--fsdp shards over torchrun ranks: run it under torchrun")
+        if cfg.fsdp and cfg.resume:
+            raise ValueError(
+                "--resume of an --fsdp run is not supported: its checkpoints hold the full "
+                "weights and the Hugging Face export, not the sharded optimizer state (start a "
+                "new run with --model OUT/checkpoints/step-N/hf)"
+            )
         if cfg.report_to == "tensorboard":
             tensorboard_writer_class()  # a clear error now, not after the warm-up
         self.device = self._pick_device(cfg.device)
@@ -157,6 +163,8 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
         cfg = self.cfg
         is_main = self.rank == 0
         self.check_out_dir()
+        if self.world > 1:  # every rank has checked --out before rank 0 writes into it
+            torch.distributed.barrier()
         os.makedirs(cfg.out, exist_ok=True)
         self.setup()
         metrics_path = os.path.join(cfg.out, "metrics.jsonl")
@@ -212,7 +220,7 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
         """The RL steps of `train` (records through `emit`)."""
         cfg = self.cfg
         seen = nonzero = steps = 0  # rewards of this call (all ranks), for the final warning
-        t_start = time.perf_counter()
+        t_start = self._t_start = time.perf_counter()
         while self.step < cfg.steps:
             t0 = time.perf_counter()
             snapshot = self._rng_snapshot() if self.world == 1 else None
@@ -284,6 +292,7 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
             "update_time_s": time.perf_counter() - t1,
             "tokens_per_s": tot["tokens"] / dt,
             "step_time_s": dt,
+            "elapsed_s": time.perf_counter() - self._t_start,  # RL wall time of this call so far
         }
         if self.cfg.algo == "dapo":
             rec["gen_batches"] = tot["gen_batches"] / self.world

@@ -15,7 +15,14 @@ from fastrl.config import TrainConfig
 from fastrl.rollout import generate, sequence_logprobs
 from fastrl.trainer import Batch, Trainer, read_metrics
 
-TIMING = {"tokens_per_s", "step_time_s", "gen_time_s", "reward_time_s", "update_time_s"}
+TIMING = {
+    "tokens_per_s",
+    "step_time_s",
+    "gen_time_s",
+    "reward_time_s",
+    "update_time_s",
+    "elapsed_s",
+}
 
 
 def tiny(**kw) -> TrainConfig:
@@ -61,7 +68,7 @@ def _fixed_batch(trainer: Trainer) -> Batch:
     return Batch(r, group_advantages(rewards, group_size=4), old, ref)
 
 
-def _update_once(algo: str, grad_accum: int) -> dict:
+def _update_once(algo: str, grad_accum: int, **kw) -> dict:
     """One `update` on the fixed batch (this rank's contiguous share of it)."""
     t = Trainer(
         tiny(
@@ -71,12 +78,14 @@ def _update_once(algo: str, grad_accum: int) -> dict:
             device="cpu",
             num_threads=1,
             kl_coef=0.1 if algo != "dapo" else None,
+            **kw,
         ),
         log=lambda *a: None,
     )
     t.setup()
     out = t.update(_fixed_batch(t))
-    out["params"] = torch.cat([p.detach().flatten() for p in t.policy.parameters()]).tolist()
+    params = [getattr(p, "full_tensor", lambda p=p: p)() for p in t.policy.parameters()]
+    out["params"] = torch.cat([p.detach().flatten() for p in params]).tolist()
     t.close()  # DDP wrappers released, then the process group (torchrun workers)
     return out
 

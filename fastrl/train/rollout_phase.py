@@ -100,6 +100,7 @@ class RolloutMixin:
                     self.eos,
                     self.pad_id,
                     temperature=0.0,
+                    sync_stop=self.cfg.fsdp,
                 )
             res = self.scorer(self.decode(r), [e.answer for e in ex])
             correct += sum(x >= 1.0 - 1e-6 for x in res.rewards)
@@ -130,6 +131,7 @@ class RolloutMixin:
                 top_k=cfg.top_k,
                 top_p=cfg.top_p,
                 generator=self.sample_gen,
+                sync_stop=cfg.fsdp,
             )
         t1 = time.perf_counter()
         res = self.scorer(self.decode(r), [e.answer for e in ex for _ in range(cfg.group_size)])
@@ -173,7 +175,7 @@ class RolloutMixin:
                 parts.append(r.select(idx.to(self.device)))
                 part_rewards.append(rewards[idx])
             st["kept_groups"] += len(idx) // G
-            if st["kept_groups"] >= n_prompts:
+            if self._all_ranks(st["kept_groups"] >= n_prompts):
                 break
         if not parts:  # dapo found no informative group: train on a fully masked group
             parts, part_rewards = [r.select(torch.arange(G, device=self.device))], [rewards[:G]]
@@ -183,7 +185,8 @@ class RolloutMixin:
         if dapo and cfg.overlong_filter:
             rollout.completion_mask = rollout.completion_mask * (~rollout.truncated)[:, None]
 
-        chunk = max(1, rollout.completion_ids.shape[0] // cfg.minibatches)
+        N = rollout.completion_ids.shape[0]
+        chunk = N if cfg.fsdp else max(1, N // cfg.minibatches)  # fsdp: one forward per rank
         kw = dict(temperature=cfg.temperature, chunk=chunk, top_k=cfg.top_k, top_p=cfg.top_p)
         with self.amp():
             old_logp = sequence_logprobs(self.policy, rollout, **kw)
@@ -197,6 +200,15 @@ class RolloutMixin:
             batch = algos.group_batch(rollout, rewards, old_logp, ref_logp, G)
         self.policy.train()
         return batch, st
+
+    def _all_ranks(self, flag: bool) -> bool:
+        """`flag` on every rank (--fsdp: a sharded model's forwards are collectives, so a rank
+        whose dapo batch is full keeps generating, and discarding, until every rank's is)."""
+        if not self.cfg.fsdp:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return bool(t.item())
 
     def _ppo_advantages(self, rollout, rewards, old_logp, ref_logp) -> Batch:
         return algos.ppo_batch(

@@ -59,15 +59,31 @@ class StateMixin:
             {"sample": self.sample_gen, "shuffle": self.shuffle_gen}, {"task": self.task_rng}
         )
 
-    def export_hf(self, path: str) -> None:
+    def _full_state_dicts(self) -> dict:
+        """name -> module, or under --fsdp name -> full state dict on the CPU (a collective:
+        every rank calls it; rank 0 gets the tensors)."""
+        models = self._models()
+        if not self.cfg.fsdp:
+            return models
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {k: get_model_state_dict(m, options=opts) for k, m in models.items()}
+
+    def export_hf(self, path: str, state_dict: dict | None = None) -> None:
         """save_pretrained of the policy (tied weights kept tied) and its tokenizer into `path`:
-        a directory AutoModelForCausalLM.from_pretrained and `fastrl train --model` load."""
+        a directory AutoModelForCausalLM.from_pretrained and `fastrl train --model` load
+        (`state_dict`: the policy's full weights, for a sharded policy)."""
         from transformers.utils import logging as hf_logging
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
         try:
-            self.policy.save_pretrained(path, safe_serialization=True)
+            kw = {"state_dict": state_dict} if state_dict is not None else {}
+            self.policy.save_pretrained(path, safe_serialization=True, **kw)
             self.tok.save_pretrained(path)
         finally:
             if bars:
@@ -86,26 +102,40 @@ class StateMixin:
             dist.all_gather_object(rank_states, self._rng())
         else:
             rank_states = [self._rng()]
+        models = self._full_state_dicts()
+        policy_sd = models["policy"] if self.cfg.fsdp else None
         if self.rank == 0:
             state = {"step": self.step, "config": self.cfg.to_dict(), "rng": rank_states[0]}
             self.last_ckpt = ckpt_io.save_checkpoint(
                 os.path.join(self.cfg.out, "checkpoints"),
                 self.step,
-                self._models(),
-                {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
+                models,
+                self._optim_state(),
                 state,
                 rank_states if self.world > 1 else None,
-                export=lambda d: self.export_hf(os.path.join(d, HF_DIR)),
+                export=lambda d: self.export_hf(os.path.join(d, HF_DIR), policy_sd),
             )
         if self.world > 1:
             dist.barrier()
 
+    def _optim_state(self) -> dict:
+        if self.cfg.fsdp:  # sharded optimizer state is not saved: --fsdp runs do not resume
+            return {"optimizer": None, "scheduler": self.sched.state_dict(), "fsdp": True}
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+
     def _weights_finite(self) -> bool:
-        """Every trained parameter finite (one host read; only when saving)."""
+        """Every trained parameter finite (one host read; only when saving; every rank's
+        shards under --fsdp)."""
         params = [
-            p.detach() for m in (self.policy, self.critic) if m is not None for p in m.parameters()
+            getattr(p, "_local_tensor", p).detach()
+            for m in (self.policy, self.critic)
+            if m is not None
+            for p in m.parameters()
         ]
-        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        ok = torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32)
+        if self.cfg.fsdp:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok)
 
     def _last_good(self) -> str:
         ckpt = ckpt_io.latest_checkpoint(os.path.join(self.cfg.out, "checkpoints"))
