@@ -309,6 +309,55 @@ def truncate_like_sampler(
     return logits.masked_fill(~keep.view(logits.shape), float("-inf"))
 
 
+def completion_hidden(model, rollout: Rollout, idx: Tensor | None = None):
+    """(hidden, lm_head): the last hidden states over the completion, a (n, T, H) view
+    `h[:, P-1:-1]`, and the model's output embedding module, from one forward that computes the
+    logits of the last position only (`logits_to_keep=1`): the caller applies the LM head
+    through `fastrl.linear_logprobs` / `fused_linear_policy_loss`, never holding (n, T, V).
+    Under FSDP2 the forward leaves the root's parameters (the LM head) unsharded, so
+    `lm_head.weight` is then the full weight and its gradient is reduce-scattered as usual."""
+    base = getattr(model, model.base_model_prefix)
+    captured = {}
+
+    def hook(module, args, out):
+        captured["h"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    handle = base.register_forward_hook(hook)
+    try:
+        p_ids, p_mask, c_ids = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
+        if idx is not None:
+            p_ids, p_mask, c_ids = p_ids[idx], p_mask[idx], c_ids[idx]
+        P = p_ids.shape[1]
+        attn = torch.cat([p_mask, torch.ones_like(c_ids)], dim=1)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        model(
+            input_ids=torch.cat([p_ids, c_ids], dim=1),
+            attention_mask=attn,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+    finally:
+        handle.remove()
+    return captured["h"][:, P - 1 : -1], model.get_output_embeddings()
+
+
+def lm_head_fusable(model, top_k=None, top_p=None) -> bool:
+    """Whether log-probs can go through `completion_hidden` + the fused LM-head path: a plain
+    nn.Linear output embedding (no logit scaling / softcapping in the model's forward) and no
+    top-k / top-p truncation (that needs the logits)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    scale = getattr(getattr(model, "config", None), "logit_scale", None)
+    return (
+        isinstance(head, torch.nn.Linear)
+        and softcap is None
+        and scale is None
+        and top_k is None
+        and top_p is None
+    )
+
+
 @torch.no_grad()
 def sequence_logprobs(
     model,
@@ -317,10 +366,12 @@ def sequence_logprobs(
     chunk: int | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    lm_head: bool = False,
 ) -> Tensor:
     """Log-probs (N, T) fp32 of the completion tokens under `model` (pi_old or pi_ref): one
     no-grad forward through `fastrl.logprobs` (in chunks of `chunk` sequences when given), under
-    the top-k / top-p truncation of the rollout when given (`truncate_like_sampler`).
+    the top-k / top-p truncation of the rollout when given (`truncate_like_sampler`). With
+    `lm_head`: from the last hidden states through `fastrl.linear_logprobs` (never (N, V)).
 
     This is always recomputed rather than taken from the sampler: the sampler's numbers come from
     incremental KV-cache forwards, which agree with a full forward only up to rounding (and not
@@ -331,8 +382,24 @@ def sequence_logprobs(
     parts = []
     for s in range(0, N, chunk):
         idx = torch.arange(s, min(s + chunk, N), device=rollout.completion_ids.device)
-        logits, _ = forward_completion_logits(model, rollout, idx)
         tokens = rollout.completion_ids[idx]
+        if lm_head:
+            from .linear import linear_logprobs
+
+            hidden, head = completion_hidden(model, rollout, idx)
+            w = head.weight
+            parts.append(
+                linear_logprobs(
+                    hidden.to(w.dtype),
+                    w,
+                    tokens,
+                    bias=head.bias,
+                    temperature=temperature,
+                    mask=rollout.completion_mask[idx],
+                ).float()
+            )
+            continue
+        logits, _ = forward_completion_logits(model, rollout, idx)
         logits = truncate_like_sampler(logits, tokens, temperature, top_k, top_p)
         parts.append(logprobs(logits, tokens, temperature=temperature).float())
     return torch.cat(parts) * rollout.completion_mask

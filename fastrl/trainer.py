@@ -39,7 +39,7 @@ import torch
 from . import checkpoint as ckpt_io
 from .config import TrainConfig
 from .rewards import MAX_ABS_REWARD, RewardError, RewardScorer
-from .rollout import eos_ids
+from .rollout import eos_ids, lm_head_fusable
 from .tasks import get_task
 from .train.algos import ValueModel
 from .train.build import BuildMixin
@@ -123,6 +123,9 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
         self.ref = self.critic = self.runlog = None
         self.last_ckpt = None  # the newest checkpoint this run wrote (its export: model_dir)
         self.grad_scale = self.world  # DDP and FSDP2 average gradients; the loss is a sum
+        # --fsdp: LM-head log-probs from the last hidden states through fastrl's fused linear
+        # path on the (FSDP-gathered) head weight, never the (n, T, V) logits
+        self.fused_lm_head = cfg.fsdp and lm_head_fusable(self.policy, cfg.top_k, cfg.top_p)
         self.step = 0
 
     def setup(self):

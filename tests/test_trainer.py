@@ -86,6 +86,7 @@ def _update_once(algo: str, grad_accum: int, **kw) -> dict:
     out = t.update(_fixed_batch(t))
     params = [getattr(p, "full_tensor", lambda p=p: p)() for p in t.policy.parameters()]
     out["params"] = torch.cat([p.detach().flatten() for p in params]).tolist()
+    out["fused_lm_head"] = t.fused_lm_head
     t.close()  # DDP wrappers released, then the process group (torchrun workers)
     return out
 

@@ -41,6 +41,8 @@ def test_fsdp_two_processes_equal_one_process(algo, tmp_path):
     script.write_text(WORKER.format(tests=os.path.dirname(__file__), algo=algo, path=str(path)))
     torchrun([str(script)], tmp_path)
     two = json.loads(path.read_text())  # 2 ranks, FSDP2 shards, 1 micro-batch each
+    # the sharded run's LM head goes through fastrl's fused linear path, the other through logits
+    assert two["fused_lm_head"] and not one["fused_lm_head"]
     for key in ("loss", "entropy", "kl", "approx_kl", "clipfrac_low", "clipfrac_high"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-7), key
     assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)

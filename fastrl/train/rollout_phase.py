@@ -188,6 +188,7 @@ class RolloutMixin:
         N = rollout.completion_ids.shape[0]
         chunk = N if cfg.fsdp else max(1, N // cfg.minibatches)  # fsdp: one forward per rank
         kw = dict(temperature=cfg.temperature, chunk=chunk, top_k=cfg.top_k, top_p=cfg.top_p)
+        kw["lm_head"] = self.fused_lm_head
         with self.amp():
             old_logp = sequence_logprobs(self.policy, rollout, **kw)
             ref_logp = sequence_logprobs(self.ref, rollout, **kw) if self.ref is not None else None

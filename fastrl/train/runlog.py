@@ -89,7 +89,7 @@ def read_metrics(path: str) -> list[dict]:
 
 PANELS = (
     ("reward", ("reward_mean",)),
-    ("eval accuracy (greedy, held out)", ("eval_accuracy",)),
+    ("eval accuracy (greedy)", ("eval_accuracy",)),
     ("loss", ("loss",)),
     ("KL", ("kl", "approx_kl")),
     ("entropy", ("entropy",)),
@@ -113,7 +113,7 @@ def _smooth(ys: list[float], alpha: float = 0.3) -> list[float]:
 
 def plot_curves(metrics_path: str, png_path: str, title: str = "") -> None:
     """One panel per PANELS entry that has data (the raw values faint, an EMA on top; eval
-    accuracy unsmoothed with markers), by RL step (matplotlib Agg)."""
+    accuracy and lr unsmoothed), by RL step (matplotlib Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,8 +132,8 @@ def plot_curves(metrics_path: str, png_path: str, title: str = "") -> None:
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            if key == "eval_accuracy":
-                ax.plot(xs, ys, marker="o", ms=3, label=key)
+            if key in ("eval_accuracy", "lr"):  # not smoothed: measured / set exactly
+                ax.plot(xs, ys, marker="o" if key == "eval_accuracy" else None, ms=3, label=key)
                 continue
             (line,) = ax.plot(xs, ys, alpha=0.25, lw=1)
             ax.plot(xs, _smooth(list(ys)), color=line.get_color(), lw=1.6, label=key)

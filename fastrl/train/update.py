@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..linear import fused_linear_policy_loss
 from ..losses import policy_loss, value_loss
-from ..rollout import forward_completion_logits, truncate_like_sampler
+from ..rollout import completion_hidden, forward_completion_logits, truncate_like_sampler
 from .common import Batch, TrainingError, all_reduce
 
 # summed per update (token-weighted where it says n_tok): the one host read holds these
@@ -108,21 +109,26 @@ class UpdateMixin:
         tokens = r.completion_ids[idx]
         with no_sync:
             with self.amp():
-                logits, _ = forward_completion_logits(self.train_policy, r, idx)  # (n, T, V) view
-                logits = truncate_like_sampler(
-                    logits, tokens, cfg.temperature, cfg.top_k, cfg.top_p
-                )
-                out = policy_loss(
-                    logits,
+                args = (
                     tokens,
                     batch.advantages[idx],
-                    old_logp=batch.old_logp[idx],
-                    ref_logp=batch.ref_logp[idx] if batch.ref_logp is not None else None,
-                    mask=mask,
-                    config=self.loss_cfg,
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
+                    batch.old_logp[idx],
+                    batch.ref_logp[idx] if batch.ref_logp is not None else None,
+                    mask,
                 )
+                kw = dict(config=self.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
+                if self.fused_lm_head:  # LM head through the fused linear loss: never (n, T, V)
+                    hidden, head = completion_hidden(self.train_policy, r, idx)
+                    w = head.weight
+                    out = fused_linear_policy_loss(
+                        hidden.to(w.dtype), w, *args, bias=head.bias, **kw
+                    )
+                else:
+                    logits, _ = forward_completion_logits(self.train_policy, r, idx)  # a view
+                    logits = truncate_like_sampler(
+                        logits, tokens, cfg.temperature, cfg.top_k, cfg.top_p
+                    )
+                    out = policy_loss(logits, *args, **kw)
                 loss = out.loss
                 vloss = vclip = torch.zeros((), device=self.device)
                 if self.critic is not None:
