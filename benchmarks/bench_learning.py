@@ -10,8 +10,9 @@
    in a child process (no KL: `--kl-coef 0` for grpo, ppo's default has none; constant lr), with
    a greedy eval on the task's held-out stream every `--eval-every` steps and at the end.
 3. benchmarks/results/learning.json (every eval point: step, RL wall seconds, accuracy; the
-   machine, versions, commit, command lines) and learning.png (accuracy vs wall time and vs
-   steps, one line per seed, the mean in bold).
+   machine, versions, commit, command lines), learning.png (accuracy vs wall time and vs
+   steps, one line per seed, the mean in bold) and learning.md (a Markdown table for the
+   README: mean over seeds of the accuracy reached at a quarter, half and all of the budget).
 
 The RL wall time of a point (`elapsed_s` of metrics.jsonl) counts generation, rewards, updates
 and the evaluations before it; the warm-up and process start are not counted.
@@ -121,6 +122,31 @@ def plot(summary: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def acc_at(evals: list[dict], t: float) -> float:
+    """The last eval accuracy measured by RL wall time `t`."""
+    return [e["acc"] for e in evals if e["elapsed_s"] <= t + 1e-9][-1]
+
+
+def table(summary: dict) -> str:
+    b = summary["budget_s"]
+    m = summary["machine"]
+    lines = [
+        f"**{summary['task']} from a warm start** (eval accuracy {summary['warm_start_acc']:.2f}"
+        f" after {summary['warm_start_sft_steps']} supervised steps), {b:g} s of RL per run, "
+        f"mean of seeds {summary['seeds']}, on {m['cpu']} ({m['cores']} cores), torch "
+        f"{summary['torch']}, commit {summary['git_commit']}",
+        "",
+        f"| algo | RL steps in {b:g} s | acc @ {b / 4:g} s | acc @ {b / 2:g} s | acc @ {b:g} s |",
+        "|---|---|---|---|---|",
+    ]
+    for algo, runs in summary["runs"].items():
+        rs = list(runs.values())
+        accs = [sum(acc_at(r["evals"], t) for r in rs) / len(rs) for t in (b / 4, b / 2, b * 10)]
+        steps = sum(r["steps"] for r in rs) / len(rs)
+        lines.append(f"| {algo} | {steps:.0f} | " + " | ".join(f"{a:.3f}" for a in accs) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--algos", nargs="+", default=["ppo", "grpo", "dapo"])
@@ -166,7 +192,9 @@ def main() -> None:
             )
     (out / "learning.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, out / "learning.png")
-    print(f"wrote {out / 'learning.json'} and {out / 'learning.png'}")
+    (out / "learning.md").write_text(table(summary))
+    print(table(summary))
+    print(f"wrote {out / 'learning.json'}, learning.png and learning.md")
 
 
 if __name__ == "__main__":

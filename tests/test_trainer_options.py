@@ -264,3 +264,22 @@ def test_metrics_say_what_happened(tmp_path):
     Trainer(tiny(tmp_path / "g", kl_coef=0.1), log=quiet).train()
     rec = read_metrics(str(tmp_path / "g" / "metrics.jsonl"))[-1]
     assert rec["kl"] >= 0 and rec["approx_kl"] >= 0
+
+
+def test_bench_learning_smoke(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_learning.py"
+    args = ["--quick", "--budget", "1", "--algos", "grpo", "--seeds", "0", "--eval-every", "2"]
+    args += ["--eval-size", "4", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "learning.json").read_text())
+    evals = data["runs"]["grpo"]["0"]["evals"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] >= 1
+    assert (tmp_path / "learning.png").is_file() and "| grpo |" in (
+        tmp_path / "learning.md"
+    ).read_text()
