@@ -495,8 +495,12 @@ class TrainConfig:
     the last step). 0: no limit, run --steps steps."""
 
     fsdp: bool = False
-    """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard) across the
-    torchrun ranks instead of replicating it with DDP."""
+    """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard: each decoder
+    layer, then the whole model) across the torchrun ranks instead of replicating it with DDP.
+    The LM-head log-probs then come from the last hidden states through fastrl.linear_logprobs /
+    fused_linear_policy_loss (never the (n, T, V) logits; not with --top-k / --top-p).
+    Checkpoints hold the full weights and the Hugging Face export; an --fsdp run cannot be
+    resumed (start a new one with --model OUT/checkpoints/step-N/hf)."""
 
     model_hidden: int = 64
     """Embedded model only: hidden size."""
