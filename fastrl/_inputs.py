@@ -239,7 +239,7 @@ def prepare_policy_inputs(
         seq_opts = {
             "ratio_level": cfg.ratio_level == "sequence",
             "rollout_is": cfg.rollout_is == "sequence",
-            "agg": cfg.agg != "token-mean",
+            "agg": cfg.agg not in ("token-mean", "token-sum"),
         }
         used = [f"{k}={getattr(cfg, k)!r}" for k, on in seq_opts.items() if on]
         if used:

@@ -477,8 +477,7 @@ def fused_linear_policy_loss(
         stand_in, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
         check_range=check_range,
     )  # fmt: skip
-    counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
-    args = (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts)
+    args = (x.tokens, *ops.op_inputs(x))
     key = ops.config_key(x.config)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
     chunk = chunk_size or default_chunk(V)

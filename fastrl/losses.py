@@ -127,12 +127,6 @@ def policy_loss(
     return out
 
 
-def _op_inputs(x) -> tuple:
-    """The per-token inputs of a PolicyInputs as op arguments (tensor counts kept apart)."""
-    counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
-    return (x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts)
-
-
 def _policy_grad(x, inplace: bool):
     """(logp, entropy, dloss/dlogits) in the forward; the gradient overwrites the logits with
     `inplace` (then the returned gradient is the logits tensor itself, detached)."""
@@ -143,9 +137,9 @@ def _policy_grad(x, inplace: bool):
     if inplace:
         with torch.no_grad():
             target = logits.detach()  # shares the version counter: autograd sees the write
-            logp, entropy = ops.policy_loss_grad_(target, x.tokens, *_op_inputs(x), key)
+            logp, entropy = ops.policy_loss_grad_(target, x.tokens, *ops.op_inputs(x), key)
         return logp, entropy, target
-    return ops.policy_loss_grad(logits.detach(), x.tokens, *_op_inputs(x), key)
+    return ops.policy_loss_grad(logits.detach(), x.tokens, *ops.op_inputs(x), key)
 
 
 def _check_inplace(logits: Tensor) -> None:

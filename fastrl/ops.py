@@ -317,7 +317,6 @@ def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tens
             sum_eu = u.mul_(e).sum(-1)
             bad = torch.isnan(sum_eu)
             if bool(bad.any()):
-                u_bad = z_bad = None
                 rows = bad.nonzero().view(-1)
                 z_bad = _scaled(_rows(logits, r0, r1), temperature)[rows]
                 u_bad = (z_bad - m[rows]).clamp_(min=torch.finfo(torch.float32).min)
@@ -331,12 +330,10 @@ def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tens
         entropy[r0:r1] = ls - sum_eu / s
         log_s[r0:r1] = ls
         lse[r0:r1] = m.view(-1) + ls
-        if out is None:
-            pass
-        elif dst is None:
+        if out is not None and dst is None:
             idx = torch.arange(r0, r1, device=out.device)
             out[idx // T, idx % T] = e.to(out.dtype)
-        elif e.data_ptr() != dst.data_ptr():
+        elif dst is not None and e.data_ptr() != dst.data_ptr():
             dst.copy_(e)
         del e
     return logp.view(B, T), entropy.view(B, T), log_s.view(B, T), lse.view(B, T)
@@ -455,6 +452,13 @@ def config_key(cfg) -> str:
     import json
 
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def op_inputs(x) -> tuple:
+    """A PolicyInputs' per-token tensors as policy-op arguments (tensor counts apart; Python
+    counts travel in the config key)."""
+    counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
+    return (x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts)
 
 
 def _policy_inputs(

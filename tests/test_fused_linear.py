@@ -104,6 +104,11 @@ def test_chunk_sizes_and_no_bias(chunk_size):
         dict(config="grpo", rollout_is="token", rollout_is_cap=1.2),
         dict(config="dapo", clip_dual=3.0, kl_coef=0.1, kl_estimator="low_var_kl"),
         dict(policy="sapo", agg="seq-mean-token-sum-norm", max_len=7),
+        # options added against TRL / verl (issue 9): separable and two-phase ones
+        dict(config="dapo", agg="token-sum"),
+        dict(config="gspo", seq_ratio_grad="token"),
+        dict(config="gspo", kl_coef=0.04, kl_bias_correction=True, kl_bias_ratio="sequence"),
+        dict(config="grpo", rollout_is="token", rollout_is_floor=0.8, rollout_is_cap=1.2),
     ],
 )
 def test_options(options):

@@ -250,3 +250,13 @@ def test_fused_never_finite_and_wrong(offset, scale, tau, preset, poison, seed):
         tol = 2e-4 * (1 + want.abs()[finite]) + slack
         assert torch.all(err <= tol), (float(err.max()), preset, offset, scale, tau)
         assert math.isfinite(float(out.loss))
+
+
+def test_flat_inputs_with_token_sum():
+    """token-sum needs no sequences: flat (N, V) inputs are accepted and match (1, N, V)."""
+    b = batch(B=1, T=6)
+    flat = {k: v[0] for k, v in b.items()}
+    flat["advantages"] = torch.randn(6)
+    out = fastrl.policy_loss(**flat, agg="token-sum")
+    seq = fastrl.policy_loss(**{k: v[None] for k, v in flat.items()}, agg="token-sum")
+    torch.testing.assert_close(out.loss, seq.loss)
