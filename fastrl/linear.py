@@ -24,7 +24,6 @@ GEMM); dW and db are accumulated across chunks in fp32 and cast once.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -265,25 +264,23 @@ def linear_policy_grad(
     tau = x.config.temperature
     B, T = tokens.shape
     N = B * T
-    flat = _flat_inputs(x)
     logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(2))
     grads = _Grads(N, weight, bias, hidden.dtype)
     active = _active_rows(mask, N, hidden.device)
     chunks = [active[s : s + chunk] for s in range(0, active.numel(), chunk)]
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     if is_token_separable(x.config):
+        flat = ops.flat_inputs(x)
         with ops._autograd_enabled():  # we run inside a custom op: below autograd
             weights = aggregation_weights(x).reshape(1, N)
         for idx in chunks:  # three GEMMs per chunk
             rows = _gather(hidden, idx)
             z = _logits(rows, weight, bias, logit_scale, softcap, buf)
             factor = _chain_factor(z, logit_scale, softcap)
-            x_rows = _select(flat, idx)
-            w_rows = weights.index_select(1, idx)
+            x_rows = ops.select_rows(flat, idx)
             lp, ent = ops.stats_and_grad_(
-                z[None], x_rows.tokens, tau,
-                lambda lp, ent, xr=x_rows, wr=w_rows: ops.token_grads(lp, ent, xr, wr), z[None],
-            )  # fmt: skip
+                z[None], x_rows.tokens, tau, x_rows, z[None], weights.index_select(1, idx)
+            )
             logp.index_copy_(0, idx, lp[0])
             entropy.index_copy_(0, idx, ent[0])
             grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
@@ -315,26 +312,6 @@ def _(hidden, weight, bias, tokens, advantages, old_logp, ref_logp, rollout_logp
     stats = [hidden.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
     return (*stats, hidden.new_empty(B * T, weight.shape[1]), torch.empty_like(weight),
             weight.new_empty(V))  # fmt: skip
-
-
-def _flat_inputs(x):
-    """PolicyInputs with every (B, T) tensor as (1, N) (a token-separable loss: rows are
-    independent)."""
-    N = x.tokens.numel()
-    flat = lambda t: None if t is None else t.reshape(1, N)  # noqa: E731
-    return dataclasses.replace(
-        x, tokens=flat(x.tokens), advantages=flat(x.advantages), old_logp=flat(x.old_logp),
-        ref_logp=flat(x.ref_logp), rollout_logp=flat(x.rollout_logp), mask=flat(x.mask),
-    )  # fmt: skip
-
-
-def _select(x, idx: Tensor):
-    """The (1, R) rows `idx` of flat PolicyInputs."""
-    pick = lambda t: None if t is None else t.index_select(1, idx)  # noqa: E731
-    return dataclasses.replace(
-        x, tokens=pick(x.tokens), advantages=pick(x.advantages), old_logp=pick(x.old_logp),
-        ref_logp=pick(x.ref_logp), rollout_logp=pick(x.rollout_logp), mask=pick(x.mask),
-    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- public functions

@@ -31,6 +31,7 @@ used as a weak Python scalar on fp32 tensors (torch path), never promoting anyth
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -279,102 +280,169 @@ def token_logprobs(
 # overwritten by its exact fp32 value (tau^-1 [g (1 - p_y) - h p_y (logp_y + H)]), so a buffer in
 # bf16 / fp16 never loses g (1 - p_y) to cancellation. The Triton path runs its stats kernel,
 # the same O(N) autograd and its gradient kernel (two reads of the logits).
-def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):
-    """Row statistics with one exp per logit, and pass 1 of the one-exp gradient path.
-
-    Returns fp32 (B, T) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, e = exp(u),
-    s = sum e: no cancellation at large offsets or low temperature), log s and lse = m + log s.
-    With `out` (B, T, V), e is also written there (`out` may be the logits' own storage: each
-    chunk is read before it is written)."""
-    B, T, V = logits.shape
-    N = B * T
-    logp, entropy, log_s, lse = (
-        torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)
-    )
-    y_all = tokens.reshape(-1).long()
-    step = chunk_rows(V)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        z = _scaled(_rows(logits, r0, r1), temperature)  # (R, V) fp32, maybe the logits
-        m = z.amax(-1, keepdim=True)  # (R, 1)
-        u = z - m  # (R, V): z' - m <= 0 (NaN for a NaN / +inf row)
-        del z
-        dst = None
-        if out is not None and (out.stride(0) == T * out.stride(1) or B == 1):
-            dst = _rows(out, r0, r1)
-        if dst is not None and dst.dtype == torch.float32:
-            e = torch.exp(u, out=dst)
-        else:
-            e = torch.exp(u)
-        y = y_all[r0:r1]
-        y_ok = (y >= 0) & (y < V)
-        u_y = u.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
-        s = e.sum(-1)  # (R,)
-        # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not 0 * -inf =
-        # NaN: such rows (and NaN rows) are redone with u clamped. On the CPU the check is a
-        # plain read; elsewhere the clamp always runs (no host sync).
-        if u.device.type == "cpu":
-            sum_eu = u.mul_(e).sum(-1)
-            bad = torch.isnan(sum_eu)
-            if bool(bad.any()):
-                rows = bad.nonzero().view(-1)
-                z_bad = _scaled(_rows(logits, r0, r1), temperature)[rows]
-                u_bad = (z_bad - m[rows]).clamp_(min=torch.finfo(torch.float32).min)
-                sum_eu[rows] = (u_bad * e[rows]).sum(-1)
-                del u_bad, z_bad
-        else:
-            sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
-        del u
-        ls = torch.log(s)
-        logp[r0:r1] = torch.where(y_ok, u_y - ls, float("nan"))
-        entropy[r0:r1] = ls - sum_eu / s
-        log_s[r0:r1] = ls
-        lse[r0:r1] = m.view(-1) + ls
-        if out is not None and dst is None:
-            idx = torch.arange(r0, r1, device=out.device)
-            out[idx // T, idx % T] = e.to(out.dtype)
-        elif dst is not None and e.data_ptr() != dst.data_ptr():
-            dst.copy_(e)
-        del e
-    return logp.view(B, T), entropy.view(B, T), log_s.view(B, T), lse.view(B, T)
-
-
-def _torch_finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
-    """Pass 2 of the one-exp path: `out` (B, T, V) holds e = exp(z' - m); overwrite it with
-    dL/dz = p (a log p + c) (+ the exact entry at y), p = e / s. Reads only `out`."""
+def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:
+    """out's flattened rows r0:r1 (out (B, T, V)) = src (R, V), cast to out's dtype."""
     B, T, V = out.shape
-    inv_temp = 1.0 / temperature
-    inv_s = torch.exp(-log_s)  # (B, T)
-    if h is None:
-        out.mul_((g * (-inv_temp) * inv_s)[..., None])
+    if out.stride(0) == T * out.stride(1) or B == 1:
+        dst = _rows(out, r0, r1)
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
     else:
-        a = h * -inv_temp  # (B, T)
+        idx = torch.arange(r0, r1, device=out.device)
+        out[idx // T, idx % T] = src.to(out.dtype)
+
+
+def _direct_rows(out: Tensor | None, r0: int, r1: int) -> Tensor | None:
+    """out's rows r0:r1 as an fp32 (R, V) view (the chunk's fp32 work can live there)."""
+    if out is None or out.dtype != torch.float32:
+        return None
+    B, T, V = out.shape
+    return _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
+
+
+class _Work:
+    """Two fp32 (R, V) chunk buffers reused across the chunks of one call: a fresh
+    chunk-sized CPU allocation per chunk costs page faults on every chunk."""
+
+    def __init__(self, R: int, V: int, device):
+        self.R, self.V, self.device = R, V, device
+        self._u = self._e = None
+
+    def u(self, R: int) -> Tensor:
+        if self._u is None:
+            self._u = torch.empty(self.R, self.V, dtype=torch.float32, device=self.device)
+        return self._u[:R]
+
+    def e(self, R: int) -> Tensor:
+        if self._e is None:
+            self._e = torch.empty(self.R, self.V, dtype=torch.float32, device=self.device)
+        return self._e[:R]
+
+
+def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out):
+    """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens.
+
+    Returns e = exp(z' - m) fp32 (R, V) (in `e_out` when given, else a work buffer) and fp32
+    (R,) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, s = sum e: no cancellation at
+    large offsets or low temperature), log s and the row max m of z' (lse = m + log s)."""
+    R, V = rows.shape
+    u = work.u(R)  # (R, V) fp32: z' - m <= 0 (NaN for a NaN / +inf row)
+    m = rows.amax(-1, keepdim=True).float()  # (R, 1), exact in the logits' dtype
+    if rows.dtype == torch.float32:
+        torch.sub(rows, m, out=u)
+    else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
+        u.copy_(rows).sub_(m)
+    if temperature != 1.0:  # (z - max z) / tau = z' - max z' (tau > 0)
+        u.div_(temperature)
+        m = m / temperature
+    e = torch.exp(u, out=work.e(R) if e_out is None else e_out)
+    y_ok = (y >= 0) & (y < V)
+    u_y = u.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
+    s = e.sum(-1)  # (R,)
+    # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not 0 * -inf = NaN:
+    # such rows are redone on the CPU (a plain read); elsewhere u is clamped first (no host
+    # sync). NaN rows stay NaN.
+    if u.device.type == "cpu":
+        sum_eu = u.mul_(e).sum(-1)
+        bad = torch.isnan(sum_eu)
+        if bool(bad.any()):
+            idx = bad.nonzero().view(-1)
+            sum_eu[idx] = torch.where(e[idx] == 0, 0.0, u[idx]).sum(-1)
+    else:
+        sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
+    log_s = torch.log(s)
+    logp = torch.where(y_ok, u_y - log_s, float("nan"))
+    return e, logp, log_s - sum_eu / s, log_s, m.view(-1)
+
+
+def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: _Work):
+    """e (R, V) fp32 = exp(z' - m) of a chunk, overwritten with dL/dz = p (a log p + c) (+ the
+    exact entry at y), p = e / s, a = -h / tau, c = -(g + h H) / tau; (R,) fp32 statistics."""
+    R, V = e.shape
+    inv_temp = 1.0 / temperature
+    inv_s = torch.exp(-log_s)  # (R,)
+    if h is None:
+        e.mul_((g * (-inv_temp) * inv_s)[:, None])
+    else:
         # p (a log p + c) = e/s (a log e + a (-log s) + c) = e * (a/s log e + (c - a log s)/s)
+        a = h * -inv_temp
         c = (g + h * entropy) * -inv_temp
-        k1, k0 = (a * inv_s).reshape(-1), ((c - a * log_s) * inv_s).reshape(-1)
-        step = chunk_rows(V)
-        for r0 in range(0, B * T, step):
-            r1 = min(B * T, r0 + step)
-            rows = _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
-            e = rows if rows is not None else out.reshape(B * T, V)[r0:r1]
-            t = torch.log(e.float()).clamp_(min=-1e4)  # (R, V); e = 0 -> p log p = 0
-            t.mul_(k1[r0:r1, None]).add_(k0[r0:r1, None])
-            if rows is not None:
-                rows.mul_(t)
-            else:
-                idx = torch.arange(r0, r1, device=out.device)
-                out[idx // T, idx % T] = (e.float() * t).to(out.dtype)
-            del t
+        t = torch.log(e, out=work.u(R)).clamp_(min=-1e4)  # e = 0 -> p log p = 0
+        t.mul_((a * inv_s)[:, None]).add_(((c - a * log_s) * inv_s)[:, None])
+        e.mul_(t)
     # the exact entry at the sampled token (fp32, no cancellation in g (1 - p_y))
-    y = tokens.long()
     y_ok = (y >= 0) & (y < V)
     p_y = torch.exp(logp)
     d_y = g * (1 - p_y)
     if h is not None:
         d_y = d_y - h * p_y * (logp + entropy)
     d_y = torch.where(y_ok, d_y * inv_temp, float("nan"))
-    out.scatter_(-1, torch.where(y_ok, y, 0)[..., None], d_y[..., None].to(out.dtype))
+    e[torch.arange(R, device=e.device), torch.where(y_ok, y, 0)] = d_y
+    return e
+
+
+def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):
+    """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
+    time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`). With `out` (B, T, V), e is
+    also written there (`out` may be the logits' own storage: each chunk is read first)."""
+    B, T, V = logits.shape
+    N = B * T
+    stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)]
+    y_all = tokens.reshape(-1).long()
+    step = chunk_rows(V)
+    work = _Work(min(step, N), V, logits.device)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        e, logp, ent, log_s, m = _chunk_stats(
+            _rows(logits, r0, r1), y_all[r0:r1], temperature, work, _direct_rows(out, r0, r1)
+        )
+        for dst, val in zip(stats, (logp, ent, log_s, m + log_s)):
+            dst[r0:r1] = val
+        if out is not None:
+            _store_rows(out, r0, r1, e)
+    return tuple(s.view(B, T) for s in stats)
+
+
+def _torch_finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
+    """Pass 2 of the two-pass path: `out` (B, T, V) holds e = exp(z' - m); overwrite it with
+    dL/dz chunk by chunk in fp32 (`_chunk_finish_`)."""
+    B, T, V = out.shape
+    N = B * T
+    flat = lambda t: None if t is None else t.reshape(N)  # noqa: E731
+    y_all, logp, entropy, log_s, g, h = map(flat, (tokens.long(), logp, entropy, log_s, g, h))
+    step = chunk_rows(V)
+    work = _Work(min(step, N), V, out.device)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        e = _direct_rows(out, r0, r1)
+        if e is None:
+            e = work.e(r1 - r0).copy_(_rows(out, r0, r1))
+        part = [None if t is None else t[r0:r1] for t in (y_all, logp, entropy, log_s, g, h)]
+        _store_rows(out, r0, r1, _chunk_finish_(e, *part, temperature, work))
     return out
+
+
+def _torch_one_pass_(logits, tokens, temperature, rows_grad_fn, out):
+    """Statistics and dL/dz in ONE pass over the logits for a token-separable loss: per chunk
+    the statistics, then (g, h) = rows_grad_fn(r0, r1, logp, H) of those rows, then the
+    gradient from e while the chunk is at hand, stored once into `out` (may be `logits`)."""
+    B, T, V = logits.shape
+    N = B * T
+    logp_all, ent_all = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lh")
+    y_all = tokens.reshape(-1).long()
+    step = chunk_rows(V)
+    work = _Work(min(step, N), V, logits.device)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        y = y_all[r0:r1]
+        e, logp, ent, log_s, _ = _chunk_stats(
+            _rows(logits, r0, r1), y, temperature, work, _direct_rows(out, r0, r1)
+        )
+        g, h = rows_grad_fn(r0, r1, logp, ent)
+        _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, temperature, work)
+        _store_rows(out, r0, r1, e)
+        logp_all[r0:r1], ent_all[r0:r1] = logp, ent
+    return logp_all.view(B, T), ent_all.view(B, T)
 
 
 def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None):
@@ -426,11 +494,17 @@ def _autograd_enabled():
         yield
 
 
-def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature: float, grad_fn, out: Tensor):
+def stats_and_grad_(
+    logits: Tensor, tokens: Tensor, temperature: float, x, out: Tensor, weights=None
+):
     """(logp, entropy) fp32 (B, T) of logits (B, T, V), and dL/dz written into `out` (B, T, V)
-    (which may be `logits`), where (g, h) = grad_fn(logp, entropy). One exp per logit on the
-    torch path; stats + gradient kernels on the Triton path."""
+    (which may be `logits`), where (g, h) = token_grads(logp, entropy, x, weights) (see there).
+    One exp per logit on the torch path, in one pass over the logits when the loss is
+    token-separable (rows are finished chunk by chunk); stats + gradient kernels on Triton."""
+    from .reference import aggregation_weights, is_token_separable
+
     temperature = float(temperature)
+    grad_fn = lambda lp, ent: token_grads(lp, ent, x, weights)  # noqa: E731
     if backend_for(logits.device) == "triton":
         from .kernels.policy_loss import token_stats_bwd, token_stats_fwd
 
@@ -438,6 +512,17 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature: float, grad_fn,
         g, h = grad_fn(logp, entropy)
         token_stats_bwd(logits, tokens, lse, entropy, g, h, temperature, out)
         return logp, entropy
+    if is_token_separable(x.config):
+        if weights is None:
+            with _autograd_enabled():  # inside a custom op: below autograd
+                weights = aggregation_weights(x)
+        flat, w = flat_inputs(x), weights.reshape(1, -1)
+
+        def rows_grad_fn(r0, r1, lp, ent):
+            g, h = token_grads(lp[None], ent[None], select_rows(flat, slice(r0, r1)), w[:, r0:r1])
+            return g[0], None if h is None else h[0]
+
+        return _torch_one_pass_(logits, tokens, temperature, rows_grad_fn, out)
     logp, entropy, log_s, _ = _torch_stats_e(logits, tokens, temperature, out)
     g, h = grad_fn(logp, entropy)
     _torch_finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
@@ -452,6 +537,30 @@ def config_key(cfg) -> str:
     import json
 
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def flat_inputs(x):
+    """PolicyInputs with every (B, T) tensor as (1, N) (for a token-separable loss, whose rows
+    are independent)."""
+    N = x.tokens.numel()
+    flat = lambda t: None if t is None else t.reshape(1, N)  # noqa: E731
+    return dataclasses.replace(
+        x, logits=None, tokens=flat(x.tokens), advantages=flat(x.advantages),
+        old_logp=flat(x.old_logp), ref_logp=flat(x.ref_logp), rollout_logp=flat(x.rollout_logp),
+        mask=flat(x.mask),
+    )  # fmt: skip
+
+
+def select_rows(x, rows):
+    """The rows `rows` (a slice or an index tensor) of flat PolicyInputs, as (1, R)."""
+    if isinstance(rows, slice):
+        pick = lambda t: None if t is None else t[:, rows]  # noqa: E731
+    else:
+        pick = lambda t: None if t is None else t.index_select(1, rows)  # noqa: E731
+    return dataclasses.replace(
+        x, tokens=pick(x.tokens), advantages=pick(x.advantages), old_logp=pick(x.old_logp),
+        ref_logp=pick(x.ref_logp), rollout_logp=pick(x.rollout_logp), mask=pick(x.mask),
+    )  # fmt: skip
 
 
 def op_inputs(x) -> tuple:
@@ -510,9 +619,7 @@ def _policy_grad_into(
         num_seqs,
         config,
     )
-    return stats_and_grad_(
-        logits, tokens, x.config.temperature, lambda lp, ent: token_grads(lp, ent, x), out
-    )
+    return stats_and_grad_(logits, tokens, x.config.temperature, x, out)
 
 
 @torch.library.custom_op("fastrl::policy_loss_grad", mutates_args=())
