@@ -66,6 +66,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+RUN_ENV_VARS = (
+    "THP_MEM_ALLOC_ENABLE",
+    "OMP_NUM_THREADS",
+    "MALLOC_MMAP_THRESHOLD_",
+    "FASTRL_BACKEND",
+)
+
+
+def run_env() -> dict:
+    """The environment variables that change CPU timings (None = unset), for a results' meta."""
+    return {k: os.environ.get(k) for k in RUN_ENV_VARS}
+
+
 def device_info(device: str | torch.device = "cpu") -> dict:
     device = torch.device(device)
     if device.type == "cuda":

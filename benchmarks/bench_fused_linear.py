@@ -77,6 +77,7 @@ from _common import (  # noqa: E402
     peak_memory,
     plot_cases,
     progress,
+    run_env,
     time_fn,
     write_results,
 )
@@ -474,6 +475,7 @@ def main(argv=None):
         "memory_method": mem_method,
         "nominal_flops": "6 * N * H * V (forward GEMM and the two gradient GEMMs), all rows",
         "threads": torch.get_num_threads(),
+        "env": run_env(),
         "notes": notes,
     }
     name = f"bench_fused_linear_{device.type}"

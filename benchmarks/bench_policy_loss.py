@@ -80,6 +80,7 @@ from _common import (  # noqa: E402
     peak_memory,
     plot_cases,
     progress,
+    run_env,
     time_fn,
     write_results,
 )
@@ -519,6 +520,7 @@ def main(argv=None):
         "machine_rates": rates,
         "exp_floor": "N * V / exp_per_s (one exp per logit)" if rates.get("exp_per_s") else None,
         "threads": torch.get_num_threads(),
+        "env": run_env(),
         "notes": notes,
     }
     name = f"bench_policy_loss_{device.type}"
