@@ -149,13 +149,20 @@ def table(summary: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--algos", nargs="+", default=["ppo", "grpo", "dapo"])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument(
+        "--algos",
+        nargs="+",
+        default=["ppo", "grpo", "dapo"],
+        help="algorithms (`--algo` of each run)",
+    )
+    p.add_argument(
+        "--seeds", nargs="+", type=int, default=[0, 1], help="one run per algorithm and seed"
+    )
     p.add_argument("--budget", type=float, default=120.0, help="RL seconds per run")
     p.add_argument("--task", default="add", help="a built-in task or a .jsonl file")
     p.add_argument("--sft-steps", type=int, default=1000, help="warm-start supervised steps")
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--eval-size", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=5, help="RL steps between evaluations")
+    p.add_argument("--eval-size", type=int, default=200, help="held-out prompts per evaluation")
     p.add_argument("--extra", default="", help="more `fastrl train` options for every run")
     p.add_argument("--quick", action="store_true", help="tiny model and batch (smoke test)")
     p.add_argument("--out", default=str(RESULTS_DIR), help="where learning.json / .png go")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-BLOCKS = ("train", "bench")  # README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
+BLOCKS = ("train", "learning", "bench")  # README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
 
 
 def _rel(path: Path) -> str:
@@ -185,10 +185,16 @@ def _training(data: dict) -> list[str]:
 
 
 def tables(block: str, results: Path | None = None) -> str:
-    """The Markdown of one README block: "train" (train_summary.json) or "bench" (the rest),
-    from the results files in `results` (default benchmarks/results/)."""
+    """The Markdown of one README block: "train" (train_summary.json), "learning"
+    (learning.json, the table bench_learning.py wrote beside it) or "bench" (the rest), from
+    the results files in `results` (default benchmarks/results/)."""
     results = Path(results or RESULTS)
     out: list[str] = []
+    if block == "learning":
+        table = results / "learning.md"
+        if table.exists():
+            out += [table.read_text().rstrip(), "", f"(from `{_rel(results / 'learning.json')}`)"]
+        return "\n".join(out).rstrip() + "\n"
     summary = results / "train_summary.json"
     if block == "train":
         if summary.exists():

@@ -1,5 +1,5 @@
-"""`fastrl` command line: `fastrl train` (the minimal trainer) and `fastrl bench` (fused vs eager
-on your shapes, through benchmarks/bench_policy_loss.py).
+"""`fastrl` command line: `fastrl train` (the minimal trainer) and `fastrl bench` (fastrl against
+the loss code trainers run, on your shapes, through benchmarks/bench_policy_loss.py).
 
 Every TrainConfig field is a `fastrl train` flag (`batch_size` -> `--batch-size`); its help text
 is the field's docstring in fastrl/config.py, so the two never drift apart.
@@ -136,10 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(train)
     bench = sub.add_parser(
         "bench",
-        help="fused vs eager vs torch.compile on your shapes (benchmarks/bench_policy_loss.py)",
+        help="fastrl vs TRL / verl eager losses and torch.compile on your shapes "
+        "(benchmarks/bench_policy_loss.py)",
         description=(
-            "Time forward + backward of the policy loss, fused against the eager reference and "
-            "torch.compile(reference) (and Liger-Kernel on CUDA), and measure peak memory, on "
+            "Time forward + backward of the GRPO policy loss on logits, fastrl against what "
+            "trainers run (TRL's selective_log_softmax + per-token math, verl's "
+            "logprobs_from_logits, torch.compile of the TRL-style loss, Liger-Kernel on CUDA; "
+            "fastrl's readable reference as a labelled oracle), and peak memory, on "
             "the shapes you give, e.g. `fastrl bench --B 8 --T 512 --V 151936 --dtype bf16`. "
             "All arguments go to benchmarks/bench_policy_loss.py of the source checkout (see "
             "`fastrl bench --help-script` for its options); results (JSON, CSV, PNG) land in "
