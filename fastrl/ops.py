@@ -39,6 +39,7 @@ from torch import Tensor
 
 BACKENDS = ("auto", "triton", "torch")
 CHUNK_BYTES = 32 << 20  # fp32 bytes per temporary of the chunked torch path (a few exist at once)
+SUB_BYTES = 4 << 20  # fp32 bytes per cache-sized scratch buffer of its element-wise passes
 
 
 def backend_for(device: torch.device) -> str:
@@ -59,6 +60,11 @@ def backend_for(device: torch.device) -> str:
 def chunk_rows(V: int) -> int:
     """Rows per chunk of the torch path: chunk_rows * V * 4 bytes <= CHUNK_BYTES (at least 1)."""
     return max(1, CHUNK_BYTES // (4 * max(V, 1)))
+
+
+def sub_rows(V: int) -> int:
+    """Rows per cache-sized block of the element-wise passes: sub_rows * V * 4 <= SUB_BYTES."""
+    return max(1, SUB_BYTES // (4 * max(V, 1)))
 
 
 # --------------------------------------------------------------------------- chunked torch path
@@ -292,93 +298,117 @@ def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:
         out[idx // T, idx % T] = src.to(out.dtype)
 
 
-def _direct_rows(out: Tensor | None, r0: int, r1: int) -> Tensor | None:
-    """out's rows r0:r1 as an fp32 (R, V) view (the chunk's fp32 work can live there)."""
-    if out is None or out.dtype != torch.float32:
-        return None
-    B, T, V = out.shape
-    return _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
-
-
 class _Work:
-    """Two fp32 (R, V) chunk buffers reused across the chunks of one call: a fresh
-    chunk-sized CPU allocation per chunk costs page faults on every chunk."""
+    """fp32 buffers reused across the chunks of one call (a fresh chunk-sized CPU allocation per
+    chunk costs page faults every time): `e(R)` holds a chunk's exp values until its per-token
+    gradients are known; `u(S)` / `es(S)` are the cache-sized (`sub_rows(V)` rows) scratch of
+    the element-wise passes."""
 
     def __init__(self, R: int, V: int, device):
-        self.R, self.V, self.device = R, V, device
-        self._u = self._e = None
+        self.R, self.S, self.V, self.device = R, min(R, sub_rows(V)), V, device
+        self._bufs: dict[str, Tensor] = {}
 
-    def u(self, R: int) -> Tensor:
-        if self._u is None:
-            self._u = torch.empty(self.R, self.V, dtype=torch.float32, device=self.device)
-        return self._u[:R]
+    def _get(self, name: str, rows: int, n: int) -> Tensor:
+        if name not in self._bufs:
+            self._bufs[name] = torch.empty(rows, self.V, dtype=torch.float32, device=self.device)
+        return self._bufs[name][:n]
 
-    def e(self, R: int) -> Tensor:
-        if self._e is None:
-            self._e = torch.empty(self.R, self.V, dtype=torch.float32, device=self.device)
-        return self._e[:R]
+    def e(self, n: int) -> Tensor:
+        return self._get("e", self.R, n)
+
+    def u(self, n: int) -> Tensor:
+        return self._get("u", self.S, n)
+
+    def es(self, n: int) -> Tensor:
+        return self._get("es", self.S, n)
 
 
 def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out):
     """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens.
 
-    Returns e = exp(z' - m) fp32 (R, V) (in `e_out` when given, else a work buffer) and fp32
-    (R,) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, s = sum e: no cancellation at
-    large offsets or low temperature), log s and the row max m of z' (lse = m + log s)."""
+    Returns fp32 (R,) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, e = exp(u),
+    s = sum e: no cancellation at large offsets or low temperature), log s and the row max m of
+    z' (lse = m + log s). With `e_out` (R, V) fp32, e is written there. The element-wise work runs
+    `work.S` rows at a time in cache-sized buffers: e is written once, the logits read once."""
     R, V = rows.shape
-    u = work.u(R)  # (R, V) fp32: z' - m <= 0 (NaN for a NaN / +inf row)
-    m = rows.amax(-1, keepdim=True).float()  # (R, 1), exact in the logits' dtype
-    if rows.dtype == torch.float32:
-        torch.sub(rows, m, out=u)
-    else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
-        u.copy_(rows).sub_(m)
-    if temperature != 1.0:  # (z - max z) / tau = z' - max z' (tau > 0)
-        u.div_(temperature)
-        m = m / temperature
-    e = torch.exp(u, out=work.e(R) if e_out is None else e_out)
-    y_ok = (y >= 0) & (y < V)
-    u_y = u.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1)
-    s = e.sum(-1)  # (R,)
-    # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not 0 * -inf = NaN:
-    # such rows are redone on the CPU (a plain read); elsewhere u is clamped first (no host
-    # sync). NaN rows stay NaN.
-    if u.device.type == "cpu":
-        sum_eu = u.mul_(e).sum(-1)
-        bad = torch.isnan(sum_eu)
-        if bool(bad.any()):
-            idx = bad.nonzero().view(-1)
-            sum_eu[idx] = torch.where(e[idx] == 0, 0.0, u[idx]).sum(-1)
-    else:
-        sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
-    log_s = torch.log(s)
-    logp = torch.where(y_ok, u_y - log_s, float("nan"))
-    return e, logp, log_s - sum_eu / s, log_s, m.view(-1)
+    logp, entropy, log_s, m_all = (
+        torch.empty(R, dtype=torch.float32, device=rows.device) for _ in range(4)
+    )
+    for a in range(0, R, work.S):
+        b = min(R, a + work.S)
+        x, yb = rows[a:b], y[a:b]
+        u = work.u(b - a)  # (S, V) fp32: z' - m <= 0 (NaN for a NaN / +inf row)
+        m = x.amax(-1, keepdim=True).float()  # (S, 1), exact in the logits' dtype
+        if x.dtype == torch.float32:
+            torch.sub(x, m, out=u)
+        else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
+            u.copy_(x).sub_(m)
+        if temperature != 1.0:  # (z - max z) / tau = z' - max z' (tau > 0)
+            u.div_(temperature)
+            m = m / temperature
+        e = torch.exp(u, out=work.es(b - a) if e_out is None else e_out[a:b])
+        y_ok = (yb >= 0) & (yb < V)
+        u_y = u.gather(1, torch.where(y_ok, yb, 0)[:, None]).squeeze(1)
+        s = e.sum(-1)  # (S,)
+        # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not
+        # 0 * -inf = NaN: such rows are redone on the CPU (a plain read); elsewhere u is clamped
+        # first (no host sync). NaN rows stay NaN.
+        if u.device.type == "cpu":
+            sum_eu = u.mul_(e).sum(-1)
+            bad = torch.isnan(sum_eu)
+            if bool(bad.any()):
+                idx = bad.nonzero().view(-1)
+                sum_eu[idx] = torch.where(e[idx] == 0, 0.0, u[idx]).sum(-1)
+        else:
+            sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
+        ls = torch.log(s)
+        logp[a:b] = torch.where(y_ok, u_y - ls, float("nan"))
+        entropy[a:b] = ls - sum_eu / s
+        log_s[a:b] = ls
+        m_all[a:b] = m.view(-1)
+    return logp, entropy, log_s, m_all
 
 
-def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: _Work):
+def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: _Work, dst):
     """e (R, V) fp32 = exp(z' - m) of a chunk, overwritten with dL/dz = p (a log p + c) (+ the
-    exact entry at y), p = e / s, a = -h / tau, c = -(g + h H) / tau; (R,) fp32 statistics."""
+    exact entry at y), p = e / s, a = -h / tau, c = -(g + h H) / tau, from (R,) fp32 statistics;
+    `work.S` rows at a time, each copied to `dst` (R, V) (any dtype; None: none) while in cache."""
     R, V = e.shape
     inv_temp = 1.0 / temperature
     inv_s = torch.exp(-log_s)  # (R,)
     if h is None:
-        e.mul_((g * (-inv_temp) * inv_s)[:, None])
+        k1, k0 = None, g * (-inv_temp) * inv_s
     else:
         # p (a log p + c) = e/s (a log e + a (-log s) + c) = e * (a/s log e + (c - a log s)/s)
-        a = h * -inv_temp
-        c = (g + h * entropy) * -inv_temp
-        t = torch.log(e, out=work.u(R)).clamp_(min=-1e4)  # e = 0 -> p log p = 0
-        t.mul_((a * inv_s)[:, None]).add_(((c - a * log_s) * inv_s)[:, None])
-        e.mul_(t)
+        a_ = h * -inv_temp
+        c_ = (g + h * entropy) * -inv_temp
+        k1, k0 = a_ * inv_s, (c_ - a_ * log_s) * inv_s
     # the exact entry at the sampled token (fp32, no cancellation in g (1 - p_y))
     y_ok = (y >= 0) & (y < V)
+    y_safe = torch.where(y_ok, y, 0)
     p_y = torch.exp(logp)
     d_y = g * (1 - p_y)
     if h is not None:
         d_y = d_y - h * p_y * (logp + entropy)
     d_y = torch.where(y_ok, d_y * inv_temp, float("nan"))
-    e[torch.arange(R, device=e.device), torch.where(y_ok, y, 0)] = d_y
+    for a in range(0, R, work.S):
+        b = min(R, a + work.S)
+        eb = e[a:b]
+        if k1 is None:
+            eb.mul_(k0[a:b, None])
+        else:
+            t = torch.log(eb, out=work.u(b - a)).clamp_(min=-1e4)  # e = 0 -> p log p = 0
+            eb.mul_(t.mul_(k1[a:b, None]).add_(k0[a:b, None]))
+        eb[torch.arange(b - a, device=e.device), y_safe[a:b]] = d_y[a:b]
+        if dst is not None and dst.data_ptr() != e.data_ptr():
+            dst[a:b].copy_(eb)
     return e
+
+
+def _view_rows(out: Tensor, r0: int, r1: int) -> Tensor | None:
+    """out's (B, T, V) flattened rows r0:r1 as an (R, V) view, else None (rows do not flatten)."""
+    B, T, V = out.shape
+    return _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
 
 
 def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):
@@ -393,8 +423,12 @@ def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tens
     work = _Work(min(step, N), V, logits.device)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        e, logp, ent, log_s, m = _chunk_stats(
-            _rows(logits, r0, r1), y_all[r0:r1], temperature, work, _direct_rows(out, r0, r1)
+        e = None
+        if out is not None:
+            view = _view_rows(out, r0, r1)
+            e = view if view is not None and view.dtype == torch.float32 else work.e(r1 - r0)
+        logp, ent, log_s, m = _chunk_stats(
+            _rows(logits, r0, r1), y_all[r0:r1], temperature, work, e
         )
         for dst, val in zip(stats, (logp, ent, log_s, m + log_s)):
             dst[r0:r1] = val
@@ -414,18 +448,20 @@ def _torch_finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
     work = _Work(min(step, N), V, out.device)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        e = _direct_rows(out, r0, r1)
-        if e is None:
-            e = work.e(r1 - r0).copy_(_rows(out, r0, r1))
+        view = _view_rows(out, r0, r1)
+        direct = view is not None and view.dtype == torch.float32
+        e = view if direct else work.e(r1 - r0).copy_(_rows(out, r0, r1))
         part = [None if t is None else t[r0:r1] for t in (y_all, logp, entropy, log_s, g, h)]
-        _store_rows(out, r0, r1, _chunk_finish_(e, *part, temperature, work))
+        _chunk_finish_(e, *part, temperature, work, view)
+        if view is None:
+            _store_rows(out, r0, r1, e)
     return out
 
 
 def _torch_one_pass_(logits, tokens, temperature, rows_grad_fn, out):
     """Statistics and dL/dz in ONE pass over the logits for a token-separable loss: per chunk
     the statistics, then (g, h) = rows_grad_fn(r0, r1, logp, H) of those rows, then the
-    gradient from e while the chunk is at hand, stored once into `out` (may be `logits`)."""
+    gradient from e, stored once into `out` (may be `logits`)."""
     B, T, V = logits.shape
     N = B * T
     logp_all, ent_all = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lh")
@@ -435,12 +471,14 @@ def _torch_one_pass_(logits, tokens, temperature, rows_grad_fn, out):
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
         y = y_all[r0:r1]
-        e, logp, ent, log_s, _ = _chunk_stats(
-            _rows(logits, r0, r1), y, temperature, work, _direct_rows(out, r0, r1)
-        )
+        view = _view_rows(out, r0, r1)
+        direct = view is not None and view.dtype == torch.float32
+        e = view if direct else work.e(r1 - r0)
+        logp, ent, log_s, _ = _chunk_stats(_rows(logits, r0, r1), y, temperature, work, e)
         g, h = rows_grad_fn(r0, r1, logp, ent)
-        _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, temperature, work)
-        _store_rows(out, r0, r1, e)
+        _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, temperature, work, view)
+        if view is None:
+            _store_rows(out, r0, r1, e)
         logp_all[r0:r1], ent_all[r0:r1] = logp, ent
     return logp_all.view(B, T), ent_all.view(B, T)
 

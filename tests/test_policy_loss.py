@@ -381,14 +381,24 @@ def test_backend_env_validation(monkeypatch):
     assert ops.backend_for(torch.device("cpu")) == "torch"
 
 
-def test_chunked_torch_path_bounds_chunks(monkeypatch):
-    """Several chunks per call (tiny CHUNK_BYTES) give the same numbers as one chunk."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("config", ["grpo", "gspo"])  # one pass / two passes over the logits
+def test_chunked_torch_path_bounds_chunks(monkeypatch, dtype, inplace, config):
+    """Several chunks per call (tiny CHUNK_BYTES), each in several cache-sized blocks (tiny
+    SUB_BYTES, not a divisor), give the same numbers as the reference: one-pass (token-level)
+    and two-pass (sequence-level) paths, a non-flattenable view, in place, low precision, an
+    entropy bonus, a temperature and a -inf logit."""
     monkeypatch.setenv("FASTRL_BACKEND", "torch")
-    batch = make_batch(3, 7, 64, extra_t=1)
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 64 * 4 * 2)  # 2 rows per chunk
-    assert ops.chunk_rows(64) == 2
-    out = run_both(batch, view=lambda x: x[:, 1:], config="grpo", entropy_coef=0.01)
-    assert_match(*out)
+    batch = make_batch(3, 7, 64, dtype=dtype, extra_t=1)
+    batch["logits"][0, 3, 5] = float("-inf")
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 64 * 4 * 5)  # 5 rows per chunk
+    monkeypatch.setattr(ops, "SUB_BYTES", 64 * 4 * 2)  # 2 rows per block
+    assert (ops.chunk_rows(64), ops.sub_rows(64)) == (5, 2)
+    kw = dict(config=config, entropy_coef=0.01, temperature=0.8)
+    out = run_both(batch, view=lambda x: x[:, 1:], inplace=inplace, **kw)
+    assert_match(*out, dtype=dtype)
+    assert torch.isfinite(out[2]).all()
 
 
 # --------------------------------------------------------------------------- randomized
