@@ -7,28 +7,10 @@ import os
 import sys
 
 import pytest
+from tiny_run import TINY
 
 from fastrl.cli import build_parser, main
 from fastrl.config import TrainConfig
-
-TINY = [
-    "--model-hidden",
-    "32",
-    "--model-layers",
-    "1",
-    "--batch-size",
-    "4",
-    "--group-size",
-    "2",
-    "--sft-steps",
-    "0",
-    "--eval-size",
-    "8",
-    "--max-new-tokens",
-    "4",
-    "--progress",
-    "false",
-]
 
 
 def test_help_lists_every_option(capsys):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import tiny_run
 import torch
 
 from fastrl import checkpoint as ckpt_io
@@ -26,20 +27,8 @@ TIMING = {
 
 
 def tiny(**kw) -> TrainConfig:
-    base = dict(
-        model_hidden=32,
-        model_layers=1,
-        batch_size=4,
-        group_size=4,
-        sft_steps=0,
-        eval_size=16,
-        max_new_tokens=4,
-        progress=False,
-        eval_every=2,
-        steps=2,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    base = {"group_size": 4, "eval_size": 16, "eval_every": 2, "num_threads": 0}
+    return tiny_run.tiny(**{**base, **kw})
 
 
 # ----------------------------------------------------------------------- data parallel

@@ -12,8 +12,10 @@ import threading
 import time
 
 import pytest
+import tiny_run
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_run import TINY
 
 from fastrl import checkpoint as ckpt_io
 from fastrl.cli import main
@@ -21,45 +23,9 @@ from fastrl.config import TrainConfig
 from fastrl.rewards import MAX_HUNG_CALLS, RewardError, RewardScorer, resolve_reward, score
 from fastrl.trainer import Trainer, TrainingError, read_metrics
 
-TINY = [
-    "--model-hidden",
-    "32",
-    "--model-layers",
-    "1",
-    "--batch-size",
-    "4",
-    "--group-size",
-    "2",
-    "--sft-steps",
-    "0",
-    "--eval-size",
-    "8",
-    "--max-new-tokens",
-    "4",
-    "--progress",
-    "false",
-    "--num-threads",
-    "1",
-]
-
 
 def tiny(out, **kw) -> TrainConfig:
-    base = dict(
-        model_hidden=32,
-        model_layers=1,
-        batch_size=4,
-        group_size=2,
-        sft_steps=0,
-        eval_size=8,
-        max_new_tokens=4,
-        progress=False,
-        num_threads=1,
-        eval_every=100,
-        steps=2,
-        out=str(out),
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_run.tiny(out, **{"eval_every": 100, **kw})
 
 
 def steps_of(out) -> list[int]:

@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import tiny_run
 import torch
 
 from fastrl.cli import main
@@ -20,22 +21,7 @@ from fastrl.trainer import Trainer, read_metrics
 
 
 def tiny(out, **kw) -> TrainConfig:
-    base = dict(
-        model_hidden=32,
-        model_layers=1,
-        batch_size=4,
-        group_size=4,
-        sft_steps=0,
-        eval_size=8,
-        max_new_tokens=4,
-        progress=False,
-        eval_every=2,
-        steps=2,
-        num_threads=1,
-        out=str(out),
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_run.tiny(out, **{"group_size": 4, "eval_every": 2, **kw})
 
 
 def quiet(*a, **k):

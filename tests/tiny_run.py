@@ -1,0 +1,32 @@
+"""A tiny `fastrl train` run for the trainer tests: 1-layer hidden-32 model, batch 4, no
+warm-up, 4 new tokens (seconds on a CPU). Imported by the test modules (pytest puts tests/ on
+sys.path)."""
+
+from fastrl.config import TrainConfig
+
+TINY_FIELDS = dict(
+    model_hidden=32,
+    model_layers=1,
+    batch_size=4,
+    group_size=2,
+    sft_steps=0,
+    eval_size=8,
+    max_new_tokens=4,
+    progress=False,
+    num_threads=1,
+)
+
+
+def cli_args(fields: dict) -> list[str]:
+    """TrainConfig fields as `fastrl train` flags."""
+    return [a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v).lower())]
+
+
+TINY = cli_args(TINY_FIELDS)  # the same as `fastrl train` flags
+
+
+def tiny(out=None, **kw) -> TrainConfig:
+    """A TrainConfig of the tiny run (2 steps) writing to `out`, with `kw` overriding."""
+    base = dict(TINY_FIELDS, steps=2, **({} if out is None else {"out": str(out)}))
+    base.update(kw)
+    return TrainConfig(**base)
