@@ -1,18 +1,32 @@
-"""The fused per-token op, as torch.library custom ops with autograd, and its backend dispatch.
+"""The fused per-token ops, as torch.library custom ops with autograd, and their backend dispatch.
 
-`token_logprobs(logits, tokens, temperature, inplace)` returns fp32 (logp, entropy), each (B, T),
-for logits (B, T, V). It is the only op that touches the (.., V) logits; everything else in the
-policy loss is O(N) torch math on its outputs (fastrl/losses.py), so autograd hands this op's
-backward g = dL/dlogp and h = dL/dH per token, and the backward writes SPEC 6's gradient
+Two ways through the (B, T, V) logits, both reading them once per use:
 
-    dL/dz_tj = (1/tau) * [ g_t * (1[j = y_t] - p_tj) - h_t * p_tj * (log p_tj + H_t) ]
+* `token_logprobs(logits, tokens, temperature, inplace)` -> fp32 (logp, entropy), each (B, T)
+  (`fastrl.logprobs`, and any loss of the caller's own). Autograd hands its backward
+  g = dL/dlogp and h = dL/dH per token, and the backward writes SPEC 6's gradient
 
-in one pass over the logits (no (N, V) intermediate besides the gradient itself).
+      dL/dz_tj = (1/tau) * [ g_t * (1[j = y_t] - p_tj) - h_t * p_tj * (log p_tj + H_t) ]
+
+  in one pass over the logits (no (N, V) intermediate besides the gradient itself).
+* `policy_loss_grad` / `policy_loss_grad_` (in place): fastrl's own policy loss, whose g and h are
+  O(N) functions of (logp, H) and the per-token inputs (`token_grads`: autograd on
+  `reference.token_terms`, one implementation of SPEC 1-5). The forward computes the
+  statistics, g, h and dL/dz together; the backward (`scale_grad_`) only multiplies by
+  grad_output, and skips even that when it is exactly 1. On the torch path a token-separable
+  loss (token-level ratio) is done chunk by chunk in ONE pass: per chunk of `chunk_rows(V)` rows
+  one exp per logit gives the statistics and e = exp(z' - m), then g and h of those rows, then
+  dL/dz = e * (...) written once in the logits' dtype; the element-wise work runs in
+  cache-sized blocks of `sub_rows(V)` rows. Sequence-level options (GSPO, sequence IS weights)
+  need every row's statistics first: e goes to the gradient buffer, a second pass finishes it.
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
   fastrl::token_stats(logits, tokens, temperature) -> (logp, entropy, lse)    # fp32 (B, T) x 3
   fastrl::token_stats_grad(logits, tokens, lse, entropy, g, h, temperature) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)
+  fastrl::policy_loss_grad(logits, tokens, <per-token inputs>, config) -> (logp, H, grad)
+  fastrl::policy_loss_grad_(logits, ...) -> (logp, H)   # the gradient overwrites `logits`
+  fastrl::scale_grad_(grad, scale) -> ()
 
 Backends (chosen per call at run time, so also inside compiled graphs):
   * FASTRL_BACKEND unset / "auto": Triton kernels (fastrl/kernels/policy_loss.py) for CUDA
@@ -20,8 +34,8 @@ Backends (chosen per call at run time, so also inside compiled graphs):
   * FASTRL_BACKEND=triton: the Triton kernels on any device (on CPU with TRITON_INTERPRET=1);
   * FASTRL_BACKEND=torch: the chunked torch path on any device.
 The chunked torch path processes `chunk_rows(V)` rows at a time (about CHUNK_BYTES of fp32 per
-temporary), so its transient memory is bounded and independent of N; it never makes an fp32
-copy of all the logits.
+temporary, SUB_BYTES per cache-sized block), so its transient memory is bounded and independent
+of N; it never makes an fp32 copy of all the logits.
 
 Float hyper-parameters: the op schemas take `temperature` as a Python float (a double in the
 schema, and what Inductor passes); it is turned into an fp32 1/tau (Triton scalar argument) or

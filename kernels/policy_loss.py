@@ -4,7 +4,12 @@ Notation of SPEC.md: a row is the logits z (length V) of one token, z' = z / tau
 token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - sum_j p_j z'_j.
 
 * `_token_stats_fwd_kernel` (one program per row) reads the row ONCE, in BLOCK_V chunks, with an
-  online max / sum-exp / sum(exp * z') and writes lse, logp and H (fp32, one value per row).
+  online max / sum-exp / sum(exp * (z' - m)) (max-shifted, so H has no cancellation at large
+  logit offsets or low temperature) and writes lse, logp and H (fp32, one value per row).
+* split-V (`_token_stats_split_fwd_kernel` + `_token_stats_merge_fwd_kernel`): when there are few
+  rows and a long vocabulary, SPLITS programs per row each reduce one slice of it to partial
+  (max, sum-exp, sum exp * shift) and a merge kernel combines them exactly, so a small batch
+  still fills the GPU.
 * `_token_stats_bwd_kernel` (one program per row) reads the row a second time and writes
   SPEC 6's gradient
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
