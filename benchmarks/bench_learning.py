@@ -134,7 +134,7 @@ def table(summary: dict) -> str:
         f"**{summary['task']} from a warm start** (eval accuracy {summary['warm_start_acc']:.2f}"
         f" after {summary['warm_start_sft_steps']} supervised steps), {b:g} s of RL per run, "
         f"mean of seeds {summary['seeds']}, on {m['cpu']} ({m['cores']} cores), torch "
-        f"{summary['torch']}, commit {summary['git_commit']}",
+        f"{summary['torch']}, commit {summary['git_commit'][:7]}",
         "",
         f"| algo | RL steps in {b:g} s | acc @ {b / 4:g} s | acc @ {b / 2:g} s | acc @ {b:g} s |",
         "|---|---|---|---|---|",
