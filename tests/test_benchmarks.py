@@ -117,7 +117,7 @@ def test_fused_linear_quick_rows(quick_results):
     assert (quick_results / "bench_fused_linear_cpu.png").stat().st_size > 0
 
 
-def test_report_rewrites_only_the_bench_block(quick_results, tmp_path):
+def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
     report = _report()
     md = report.tables("bench", quick_results)
     assert "| method | shape | dtype | median ms (q20-q80) | vs trl-eager |" in md
@@ -126,12 +126,19 @@ def test_report_rewrites_only_the_bench_block(quick_results, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(
         "intro\n<!-- train:start -->\nold train\n<!-- train:end -->\nmiddle\n"
+        "<!-- learning:start -->\nold learning\n<!-- learning:end -->\nmore\n"
         "<!-- bench:start -->\nold bench\n<!-- bench:end -->\nend\n"
     )
     report.main(["--readme", "--results", str(quick_results), "--readme-path", str(readme)])
     text = readme.read_text()
     assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("end\n")
+    assert "\nmore\n" in text
     assert "old bench" not in text and "x GEMM floor" in text
+    assert "old train" not in text and "old learning" not in text
+    # a README without one of the blocks is an error naming it, not a silent skip
+    readme.write_text("intro\n<!-- bench:start -->\nold\n<!-- bench:end -->\n")
+    with pytest.raises(SystemExit, match="train:start"):
+        report.main(["--readme", "--results", str(quick_results), "--readme-path", str(readme)])
     # the committed results (whatever their format) still render
     assert "(from `benchmarks/results/" in report.tables("bench")
 
