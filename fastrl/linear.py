@@ -97,28 +97,43 @@ def _to_pre_activation(dz: Tensor, factor, logit_scale: float) -> Tensor:
 
 
 class _Grads:
-    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32."""
+    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32.
 
-    def __init__(self, N: int, weight: Tensor, bias, hidden_dtype):
+    Nothing is zero-filled that the chunks overwrite anyway: the first chunk writes dW (and db)
+    directly, and grad_hidden is zeroed only when some rows are skipped (`n_active` < N)."""
+
+    def __init__(self, N: int, n_active: int, weight: Tensor, bias, hidden_dtype):
         V, H = weight.shape
-        self.hidden = torch.zeros(N, H, dtype=hidden_dtype, device=weight.device)
-        self.weight = torch.zeros(V, H, dtype=torch.float32, device=weight.device)
-        self.bias = (
-            None if bias is None else torch.zeros(V, dtype=torch.float32, device=weight.device)
-        )
+        dev = weight.device
+        alloc = torch.empty if n_active == N else torch.zeros
+        self.hidden = alloc(N, H, dtype=hidden_dtype, device=dev)
+        self.weight = torch.empty(V, H, dtype=torch.float32, device=dev)
+        self.bias = None if bias is None else torch.empty(V, dtype=torch.float32, device=dev)
+        self.started = False
 
     def add(self, idx: Tensor, rows: Tensor, dz: Tensor, weight: Tensor) -> None:
         """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V) in the GEMM dtype)."""
         dz = dz.to(rows.dtype)
         self.hidden.index_copy_(0, idx, dz @ weight)
-        if dz.dtype == torch.float32:
-            self.weight.addmm_(dz.t(), rows)
-        else:  # a bf16 / fp16 GEMM, accumulated across chunks in fp32
+        first, self.started = not self.started, True
+        if dz.dtype == torch.float32:  # beta = 0 on the first chunk: no zero fill, no read
+            self.weight.addmm_(dz.t(), rows, beta=0.0 if first else 1.0)
+        elif first:  # a bf16 / fp16 GEMM, accumulated across chunks in fp32
+            self.weight.copy_(dz.t() @ rows)
+        else:
             self.weight.add_(dz.t() @ rows)
         if self.bias is not None:
-            self.bias.add_(dz.sum(0, dtype=torch.float32))
+            db = dz.sum(0, dtype=torch.float32)
+            if first:
+                self.bias.copy_(db)
+            else:
+                self.bias.add_(db)
 
     def result(self, weight: Tensor, bias):
+        if not self.started:  # every row masked: the gradients are zero
+            self.weight.zero_()
+            if self.bias is not None:
+                self.bias.zero_()
         db = None if self.bias is None else self.bias.to(bias.dtype)
         return self.hidden, self.weight.to(weight.dtype), db
 
@@ -183,8 +198,8 @@ def linear_token_stats_backward(
     h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X."""
     N = tokens.numel()
     y = tokens.reshape(-1)
-    grads = _Grads(N, weight, bias, hidden.dtype)
     active = _active_rows(mask, N, hidden.device)
+    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype)
     g_all = grad_logp.reshape(-1).float()
     h_all = None if grad_entropy is None else grad_entropy.reshape(-1).float()
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
@@ -265,8 +280,8 @@ def linear_policy_grad(
     B, T = tokens.shape
     N = B * T
     logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(2))
-    grads = _Grads(N, weight, bias, hidden.dtype)
     active = _active_rows(mask, N, hidden.device)
+    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype)
     chunks = [active[s : s + chunk] for s in range(0, active.numel(), chunk)]
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     if is_token_separable(x.config):

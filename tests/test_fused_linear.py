@@ -139,6 +139,15 @@ def test_flat_inputs_and_strided_view():
     compare((full[:, 1:], weight, b, tokens, adv, old, ref, mask), config="grpo")
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_counted(bias, dtype):
+    """No row skipped: the gradient buffers start unfilled and the first chunk writes them."""
+    hidden, weight, b, tokens, adv, old, ref, mask = make(bias=bias, dtype=dtype)
+    compare((hidden, weight, b, tokens, adv, old, ref, torch.ones_like(mask)), dtype, chunk_size=4,
+            config="grpo")  # fmt: skip
+
+
 def test_t_equals_one_and_all_masked():
     compare(make(T=1), config="grpo")
     hidden, weight, b, tokens, adv, old, ref, mask = make()
