@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import ops
+from . import chunked, ops
 from ._inputs import FLOAT_DTYPES, check_mask, check_temperature, describe, prepare_policy_inputs
 from .config import LossConfig
 from .reference import PolicyLossOutput, aggregation_weights, is_token_separable, policy_output
@@ -379,7 +379,7 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
 def default_chunk(V: int) -> int:
     """Rows per chunk of the LM-head paths: about 64 MB of fp32 logits (a few such
     temporaries exist at once)."""
-    return 2 * ops.chunk_rows(V)
+    return 2 * chunked.chunk_rows(V)
 
 
 def linear_logprobs(

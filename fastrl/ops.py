@@ -33,9 +33,9 @@ Backends (chosen per call at run time, so also inside compiled graphs):
     tensors, the chunked torch path for CPU tensors;
   * FASTRL_BACKEND=triton: the Triton kernels on any device (on CPU with TRITON_INTERPRET=1);
   * FASTRL_BACKEND=torch: the chunked torch path on any device.
-The chunked torch path processes `chunk_rows(V)` rows at a time (about CHUNK_BYTES of fp32 per
-temporary, SUB_BYTES per cache-sized block), so its transient memory is bounded and independent
-of N; it never makes an fp32 copy of all the logits.
+The chunked torch path (`fastrl.chunked`) processes `chunk_rows(V)` rows at a time (about
+CHUNK_BYTES of fp32 per temporary, SUB_BYTES per cache-sized block), so its transient memory is
+bounded and independent of N; it never makes an fp32 copy of all the logits.
 
 Float hyper-parameters: the op schemas take `temperature` as a Python float (a double in the
 schema, and what Inductor passes); it is turned into an fp32 1/tau (Triton scalar argument) or
@@ -51,9 +51,9 @@ import os
 import torch
 from torch import Tensor
 
+from . import chunked
+
 BACKENDS = ("auto", "triton", "torch")
-CHUNK_BYTES = 32 << 20  # fp32 bytes per temporary of the chunked torch path (a few exist at once)
-SUB_BYTES = 4 << 20  # fp32 bytes per cache-sized scratch buffer of its element-wise passes
 
 
 def backend_for(device: torch.device) -> str:
@@ -69,82 +69,6 @@ def backend_for(device: torch.device) -> str:
             "TRITON_INTERPRET=1 before triton is first imported"
         )
     return backend
-
-
-def chunk_rows(V: int) -> int:
-    """Rows per chunk of the torch path: chunk_rows * V * 4 bytes <= CHUNK_BYTES (at least 1)."""
-    return max(1, CHUNK_BYTES // (4 * max(V, 1)))
-
-
-def sub_rows(V: int) -> int:
-    """Rows per cache-sized block of the element-wise passes: sub_rows * V * 4 <= SUB_BYTES."""
-    return max(1, SUB_BYTES // (4 * max(V, 1)))
-
-
-# --------------------------------------------------------------------------- chunked torch path
-def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
-    """Rows r0:r1 of a (B, T, V) tensor as (R, V): a view when (B, T) flatten, else a gather."""
-    B, T, V = x.shape
-    if x.stride(0) == T * x.stride(1) or B == 1:
-        return x.reshape(B * T, V)[r0:r1] if x.stride(0) == T * x.stride(1) else x[0, r0:r1]
-    idx = torch.arange(r0, r1, device=x.device)
-    return x[idx // T, idx % T]  # (R, V) copy in x's dtype: chunk-sized
-
-
-def _scaled(rows: Tensor, temperature: float) -> Tensor:
-    """z' = z / tau as fp32 (R, V); no copy for fp32 rows at tau = 1 (x / 1.0 == x exactly)."""
-    if temperature == 1.0 and rows.dtype == torch.float32:
-        return rows
-    return rows.float() / temperature
-
-
-def _torch_token_stats(logits: Tensor, tokens: Tensor, temperature: float):
-    """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
-    (one exp per logit; H from max-shifted values). Out-of-range tokens give logp = NaN (no
-    device-side assert); a NaN or +inf logit makes its row's logp, H and lse NaN."""
-    logp, entropy, _, lse = _torch_stats_e(logits, tokens, temperature, None)
-    return logp, entropy, lse
-
-
-def _torch_token_stats_grad(logits, tokens, lse, entropy, g, h, temperature, out):
-    """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself.
-
-    dL/dz = (1/tau) [g (1[j=y] - p) - h p (log p + H)] = (1/tau) [g 1[j=y] - p (g + h (log p + H))]
-    computed per chunk as  d = p * (a log p + c),  a = -h / tau,  c = -(g + h H) / tau,  then
-    d[y] += g / tau  (two (R, V) fp32 temporaries)."""
-    B, T, V = logits.shape
-    inv_temp = 1.0 / temperature
-    y_all = tokens.reshape(-1).long()
-    lse, entropy, g = lse.reshape(-1), entropy.reshape(-1), g.reshape(-1).float()
-    h = None if h is None else h.reshape(-1).float()
-    # fp32 (B, T)-flattenable destination: write the chunk's result straight into it
-    direct = out.dtype == torch.float32 and (out.stride(0) == T * out.stride(1) or B == 1)
-    step = chunk_rows(V)
-    for r0 in range(0, B * T, step):
-        r1 = min(B * T, r0 + step)
-        g_r = g[r0:r1, None]
-        log_p = torch.sub(_scaled(_rows(logits, r0, r1), temperature), lse[r0:r1, None])
-        p = log_p.exp()  # (R, V)
-        if h is None:
-            d = p.mul_(g_r * -inv_temp)
-        else:
-            h_r = h[r0:r1, None]
-            log_p.clamp_(min=-1e30)  # -inf logit: p = 0 and p * (a log p + c) must stay 0
-            coef = log_p.mul_(h_r * -inv_temp).add_((g_r + h_r * entropy[r0:r1, None]) * -inv_temp)
-            d = torch.mul(p, coef, out=_rows(out, r0, r1)) if direct else p.mul_(coef)
-        del log_p
-        y = y_all[r0:r1]
-        y_ok = (y >= 0) & (y < V)
-        d.scatter_add_(1, torch.where(y_ok, y, 0)[:, None], torch.where(y_ok, g_r * inv_temp, 0.0))
-        if out.stride(0) == T * out.stride(1) or B == 1:
-            dst = _rows(out, r0, r1)
-            if d.data_ptr() != dst.data_ptr():
-                dst.copy_(d)
-        else:
-            idx = torch.arange(r0, r1, device=out.device)
-            out[idx // T, idx % T] = d.to(out.dtype)
-        del d, p
-    return out
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -171,7 +95,7 @@ def _token_stats_impl(logits, tokens, temperature):
         from .kernels.policy_loss import token_stats_fwd
 
         return token_stats_fwd(logits, tokens, temperature)
-    return _torch_token_stats(logits, tokens, temperature)
+    return chunked.token_stats(logits, tokens, temperature)
 
 
 @token_stats.register_fake
@@ -186,7 +110,7 @@ def _grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
         from .kernels.policy_loss import token_stats_bwd
 
         return token_stats_bwd(logits, tokens, lse, entropy, g, h, temperature, out)
-    return _torch_token_stats_grad(logits, tokens, lse, entropy, g, h, temperature, out)
+    return chunked.token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out)
 
 
 @torch.library.custom_op("fastrl::token_stats_grad", mutates_args=())
@@ -290,211 +214,9 @@ def token_logprobs(
 # from O(N) autograd on the per-token terms (`token_grads`), and SPEC 6 turns them into dL/dz.
 # The fused losses therefore compute dL/dz in the forward and keep it; their backward only
 # multiplies it by the upstream gradient (`scale_grad_`, no pass at all when that is exactly 1).
-#
-# The torch (CPU) path does it with ONE exp per logit: pass 1 writes e = exp(z' - m) into the
-# gradient buffer while it reduces the row (s = sum e, sum e (z' - m), z'_y); pass 2 turns e into
-# dL/dz in place, reading only that buffer:
-#     dL/dz_j = p_j a log p_j + p_j c (+ g/tau at j = y),  p = e / s,
-#     a = -h / tau,  c = -(g + h H) / tau
-# (with h = 0, the usual case, pass 2 is one multiply per element). The entry j = y is then
-# overwritten by its exact fp32 value (tau^-1 [g (1 - p_y) - h p_y (logp_y + H)]), so a buffer in
-# bf16 / fp16 never loses g (1 - p_y) to cancellation. The Triton path runs its stats kernel,
-# the same O(N) autograd and its gradient kernel (two reads of the logits).
-def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:
-    """out's flattened rows r0:r1 (out (B, T, V)) = src (R, V), cast to out's dtype."""
-    B, T, V = out.shape
-    if out.stride(0) == T * out.stride(1) or B == 1:
-        dst = _rows(out, r0, r1)
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
-    else:
-        idx = torch.arange(r0, r1, device=out.device)
-        out[idx // T, idx % T] = src.to(out.dtype)
-
-
-class _Work:
-    """fp32 buffers reused across the chunks of one call (a fresh chunk-sized CPU allocation per
-    chunk costs page faults every time): `e(R)` holds a chunk's exp values until its per-token
-    gradients are known; `u(S)` / `es(S)` are the cache-sized (`sub_rows(V)` rows) scratch of
-    the element-wise passes."""
-
-    def __init__(self, R: int, V: int, device):
-        self.R, self.S, self.V, self.device = R, min(R, sub_rows(V)), V, device
-        self._bufs: dict[str, Tensor] = {}
-
-    def _get(self, name: str, rows: int, n: int) -> Tensor:
-        if name not in self._bufs:
-            self._bufs[name] = torch.empty(rows, self.V, dtype=torch.float32, device=self.device)
-        return self._bufs[name][:n]
-
-    def e(self, n: int) -> Tensor:
-        return self._get("e", self.R, n)
-
-    def u(self, n: int) -> Tensor:
-        return self._get("u", self.S, n)
-
-    def es(self, n: int) -> Tensor:
-        return self._get("es", self.S, n)
-
-
-def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out):
-    """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens.
-
-    Returns fp32 (R,) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, e = exp(u),
-    s = sum e: no cancellation at large offsets or low temperature), log s and the row max m of
-    z' (lse = m + log s). With `e_out` (R, V) fp32, e is written there. The element-wise work runs
-    `work.S` rows at a time in cache-sized buffers: e is written once, the logits read once."""
-    R, V = rows.shape
-    logp, entropy, log_s, m_all = (
-        torch.empty(R, dtype=torch.float32, device=rows.device) for _ in range(4)
-    )
-    for a in range(0, R, work.S):
-        b = min(R, a + work.S)
-        x, yb = rows[a:b], y[a:b]
-        u = work.u(b - a)  # (S, V) fp32: z' - m <= 0 (NaN for a NaN / +inf row)
-        m = x.amax(-1, keepdim=True).float()  # (S, 1), exact in the logits' dtype
-        if x.dtype == torch.float32:
-            torch.sub(x, m, out=u)
-        else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
-            u.copy_(x).sub_(m)
-        if temperature != 1.0:  # (z - max z) / tau = z' - max z' (tau > 0)
-            u.div_(temperature)
-            m = m / temperature
-        e = torch.exp(u, out=work.es(b - a) if e_out is None else e_out[a:b])
-        y_ok = (yb >= 0) & (yb < V)
-        u_y = u.gather(1, torch.where(y_ok, yb, 0)[:, None]).squeeze(1)
-        s = e.sum(-1)  # (S,)
-        # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not
-        # 0 * -inf = NaN: such rows are redone on the CPU (a plain read); elsewhere u is clamped
-        # first (no host sync). NaN rows stay NaN.
-        if u.device.type == "cpu":
-            sum_eu = u.mul_(e).sum(-1)
-            bad = torch.isnan(sum_eu)
-            if bool(bad.any()):
-                idx = bad.nonzero().view(-1)
-                sum_eu[idx] = torch.where(e[idx] == 0, 0.0, u[idx]).sum(-1)
-        else:
-            sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
-        ls = torch.log(s)
-        logp[a:b] = torch.where(y_ok, u_y - ls, float("nan"))
-        entropy[a:b] = ls - sum_eu / s
-        log_s[a:b] = ls
-        m_all[a:b] = m.view(-1)
-    return logp, entropy, log_s, m_all
-
-
-def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: _Work, dst):
-    """e (R, V) fp32 = exp(z' - m) of a chunk, overwritten with dL/dz = p (a log p + c) (+ the
-    exact entry at y), p = e / s, a = -h / tau, c = -(g + h H) / tau, from (R,) fp32 statistics;
-    `work.S` rows at a time, each copied to `dst` (R, V) (any dtype; None: none) while in cache."""
-    R, V = e.shape
-    inv_temp = 1.0 / temperature
-    inv_s = torch.exp(-log_s)  # (R,)
-    if h is None:
-        k1, k0 = None, g * (-inv_temp) * inv_s
-    else:
-        # p (a log p + c) = e/s (a log e + a (-log s) + c) = e * (a/s log e + (c - a log s)/s)
-        a_ = h * -inv_temp
-        c_ = (g + h * entropy) * -inv_temp
-        k1, k0 = a_ * inv_s, (c_ - a_ * log_s) * inv_s
-    # the exact entry at the sampled token (fp32, no cancellation in g (1 - p_y))
-    y_ok = (y >= 0) & (y < V)
-    y_safe = torch.where(y_ok, y, 0)
-    p_y = torch.exp(logp)
-    d_y = g * (1 - p_y)
-    if h is not None:
-        d_y = d_y - h * p_y * (logp + entropy)
-    d_y = torch.where(y_ok, d_y * inv_temp, float("nan"))
-    for a in range(0, R, work.S):
-        b = min(R, a + work.S)
-        eb = e[a:b]
-        if k1 is None:
-            eb.mul_(k0[a:b, None])
-        else:
-            t = torch.log(eb, out=work.u(b - a)).clamp_(min=-1e4)  # e = 0 -> p log p = 0
-            eb.mul_(t.mul_(k1[a:b, None]).add_(k0[a:b, None]))
-        eb[torch.arange(b - a, device=e.device), y_safe[a:b]] = d_y[a:b]
-        if dst is not None and dst.data_ptr() != e.data_ptr():
-            dst[a:b].copy_(eb)
-    return e
-
-
-def _view_rows(out: Tensor, r0: int, r1: int) -> Tensor | None:
-    """out's (B, T, V) flattened rows r0:r1 as an (R, V) view, else None (rows do not flatten)."""
-    B, T, V = out.shape
-    return _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
-
-
-def _torch_stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):
-    """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
-    time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`). With `out` (B, T, V), e is
-    also written there (`out` may be the logits' own storage: each chunk is read first)."""
-    B, T, V = logits.shape
-    N = B * T
-    stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)]
-    y_all = tokens.reshape(-1).long()
-    step = chunk_rows(V)
-    work = _Work(min(step, N), V, logits.device)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        e = None
-        if out is not None:
-            view = _view_rows(out, r0, r1)
-            e = view if view is not None and view.dtype == torch.float32 else work.e(r1 - r0)
-        logp, ent, log_s, m = _chunk_stats(
-            _rows(logits, r0, r1), y_all[r0:r1], temperature, work, e
-        )
-        for dst, val in zip(stats, (logp, ent, log_s, m + log_s)):
-            dst[r0:r1] = val
-        if out is not None:
-            _store_rows(out, r0, r1, e)
-    return tuple(s.view(B, T) for s in stats)
-
-
-def _torch_finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
-    """Pass 2 of the two-pass path: `out` (B, T, V) holds e = exp(z' - m); overwrite it with
-    dL/dz chunk by chunk in fp32 (`_chunk_finish_`)."""
-    B, T, V = out.shape
-    N = B * T
-    flat = lambda t: None if t is None else t.reshape(N)  # noqa: E731
-    y_all, logp, entropy, log_s, g, h = map(flat, (tokens.long(), logp, entropy, log_s, g, h))
-    step = chunk_rows(V)
-    work = _Work(min(step, N), V, out.device)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        view = _view_rows(out, r0, r1)
-        direct = view is not None and view.dtype == torch.float32
-        e = view if direct else work.e(r1 - r0).copy_(_rows(out, r0, r1))
-        part = [None if t is None else t[r0:r1] for t in (y_all, logp, entropy, log_s, g, h)]
-        _chunk_finish_(e, *part, temperature, work, view)
-        if view is None:
-            _store_rows(out, r0, r1, e)
-    return out
-
-
-def _torch_one_pass_(logits, tokens, temperature, rows_grad_fn, out):
-    """Statistics and dL/dz in ONE pass over the logits for a token-separable loss: per chunk
-    the statistics, then (g, h) = rows_grad_fn(r0, r1, logp, H) of those rows, then the
-    gradient from e, stored once into `out` (may be `logits`)."""
-    B, T, V = logits.shape
-    N = B * T
-    logp_all, ent_all = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lh")
-    y_all = tokens.reshape(-1).long()
-    step = chunk_rows(V)
-    work = _Work(min(step, N), V, logits.device)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        y = y_all[r0:r1]
-        view = _view_rows(out, r0, r1)
-        direct = view is not None and view.dtype == torch.float32
-        e = view if direct else work.e(r1 - r0)
-        logp, ent, log_s, _ = _chunk_stats(_rows(logits, r0, r1), y, temperature, work, e)
-        g, h = rows_grad_fn(r0, r1, logp, ent)
-        _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, temperature, work, view)
-        if view is None:
-            _store_rows(out, r0, r1, e)
-        logp_all[r0:r1], ent_all[r0:r1] = logp, ent
-    return logp_all.view(B, T), ent_all.view(B, T)
+# The torch path does it chunk by chunk with one exp per logit (`fastrl.chunked`); the Triton
+# path runs its stats kernel, the same O(N) autograd and its gradient kernel (two reads of the
+# logits).
 
 
 def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None):
@@ -574,10 +296,10 @@ def stats_and_grad_(
             g, h = token_grads(lp[None], ent[None], select_rows(flat, slice(r0, r1)), w[:, r0:r1])
             return g[0], None if h is None else h[0]
 
-        return _torch_one_pass_(logits, tokens, temperature, rows_grad_fn, out)
-    logp, entropy, log_s, _ = _torch_stats_e(logits, tokens, temperature, out)
+        return chunked.one_pass_(logits, tokens, temperature, rows_grad_fn, out)
+    logp, entropy, log_s, _ = chunked.stats_e(logits, tokens, temperature, out)
     g, h = grad_fn(logp, entropy)
-    _torch_finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
+    chunked.finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
     return logp, entropy
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastrl
-from fastrl import ops
+from fastrl import chunked, ops
 from fastrl import reference as R
 from fastrl.config import PRESETS, LossConfig
 
@@ -392,9 +392,9 @@ def test_chunked_torch_path_bounds_chunks(monkeypatch, dtype, inplace, config):
     monkeypatch.setenv("FASTRL_BACKEND", "torch")
     batch = make_batch(3, 7, 64, dtype=dtype, extra_t=1)
     batch["logits"][0, 3, 5] = float("-inf")
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 64 * 4 * 5)  # 5 rows per chunk
-    monkeypatch.setattr(ops, "SUB_BYTES", 64 * 4 * 2)  # 2 rows per block
-    assert (ops.chunk_rows(64), ops.sub_rows(64)) == (5, 2)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 64 * 4 * 5)  # 5 rows per chunk
+    monkeypatch.setattr(chunked, "SUB_BYTES", 64 * 4 * 2)  # 2 rows per block
+    assert (chunked.chunk_rows(64), chunked.sub_rows(64)) == (5, 2)
     kw = dict(config=config, entropy_coef=0.01, temperature=0.8)
     out = run_both(batch, view=lambda x: x[:, 1:], inplace=inplace, **kw)
     assert_match(*out, dtype=dtype)
