@@ -42,20 +42,22 @@ def sub_rows(V: int) -> int:
     return max(1, SUB_BYTES // (4 * max(V, 1)))
 
 
+def _view_rows(x: Tensor, r0: int, r1: int) -> Tensor | None:
+    """Rows r0:r1 of a (B, T, V) tensor as an (R, V) view, or None when (B, T) do not flatten."""
+    B, T, V = x.shape
+    if x.stride(0) == T * x.stride(1):
+        return x.reshape(B * T, V)[r0:r1]
+    return x[0, r0:r1] if B == 1 else None
+
+
 def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
     """Rows r0:r1 of a (B, T, V) tensor as (R, V): a view when (B, T) flatten, else a gather."""
-    B, T, V = x.shape
-    if x.stride(0) == T * x.stride(1) or B == 1:
-        return x.reshape(B * T, V)[r0:r1] if x.stride(0) == T * x.stride(1) else x[0, r0:r1]
+    view = _view_rows(x, r0, r1)
+    if view is not None:
+        return view
+    T = x.shape[1]
     idx = torch.arange(r0, r1, device=x.device)
     return x[idx // T, idx % T]  # (R, V) copy in x's dtype: chunk-sized
-
-
-def _scaled(rows: Tensor, temperature: float) -> Tensor:
-    """z' = z / tau as fp32 (R, V); no copy for fp32 rows at tau = 1 (x / 1.0 == x exactly)."""
-    if temperature == 1.0 and rows.dtype == torch.float32:
-        return rows
-    return rows.float() / temperature
 
 
 def token_stats(logits: Tensor, tokens: Tensor, temperature: float):
@@ -69,54 +71,61 @@ def token_stats(logits: Tensor, tokens: Tensor, temperature: float):
 def token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself.
 
-    dL/dz = (1/tau) [g (1[j=y] - p) - h p (log p + H)] = (1/tau) [g 1[j=y] - p (g + h (log p + H))]
-    computed per chunk as  d = p * (a log p + c),  a = -h / tau,  c = -(g + h H) / tau,  then
-    d[y] += g / tau  (two (R, V) fp32 temporaries)."""
+    The backward of `token_stats` (g = dL/dlogp, h = dL/dH given, fp32 (B, T)): per chunk one
+    exp per logit turns z into p = exp(z' - lse) (`_chunk_probs`), then `_chunk_finish_` makes
+    it dL/dz = p (a log p + c) with the exact entry at y, the same pass the fused losses use."""
     B, T, V = logits.shape
-    inv_temp = 1.0 / temperature
-    y_all = tokens.reshape(-1).long()
-    lse, entropy, g = lse.reshape(-1), entropy.reshape(-1), g.reshape(-1).float()
-    h = None if h is None else h.reshape(-1).float()
-    # fp32 (B, T)-flattenable destination: write the chunk's result straight into it
-    direct = out.dtype == torch.float32 and (out.stride(0) == T * out.stride(1) or B == 1)
+    N = B * T
+    y_all, lse, entropy = tokens.reshape(N).long(), lse.reshape(N), entropy.reshape(N)
+    g, h = g.reshape(N).float(), None if h is None else h.reshape(N).float()
     step = chunk_rows(V)
-    for r0 in range(0, B * T, step):
-        r1 = min(B * T, r0 + step)
-        g_r = g[r0:r1, None]
-        log_p = torch.sub(_scaled(_rows(logits, r0, r1), temperature), lse[r0:r1, None])
-        p = log_p.exp()  # (R, V)
-        if h is None:
-            d = p.mul_(g_r * -inv_temp)
-        else:
-            h_r = h[r0:r1, None]
-            log_p.clamp_(min=-1e30)  # -inf logit: p = 0 and p * (a log p + c) must stay 0
-            coef = log_p.mul_(h_r * -inv_temp).add_((g_r + h_r * entropy[r0:r1, None]) * -inv_temp)
-            d = torch.mul(p, coef, out=_rows(out, r0, r1)) if direct else p.mul_(coef)
-        del log_p
+    work = _Work(min(step, N), V, logits.device)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        view = _view_rows(out, r0, r1)
+        direct = view is not None and view.dtype == torch.float32
+        e = view if direct else work.e(r1 - r0)
         y = y_all[r0:r1]
-        y_ok = (y >= 0) & (y < V)
-        d.scatter_add_(1, torch.where(y_ok, y, 0)[:, None], torch.where(y_ok, g_r * inv_temp, 0.0))
-        if out.stride(0) == T * out.stride(1) or B == 1:
-            dst = _rows(out, r0, r1)
-            if d.data_ptr() != dst.data_ptr():
-                dst.copy_(d)
-        else:
-            idx = torch.arange(r0, r1, device=out.device)
-            out[idx // T, idx % T] = d.to(out.dtype)
-        del d, p
+        logp = _chunk_probs(_rows(logits, r0, r1), y, lse[r0:r1], temperature, work, e)
+        log_s = torch.zeros_like(logp)  # e is already normalised
+        h_r = None if h is None else h[r0:r1]
+        _chunk_finish_(e, y, logp, entropy[r0:r1], log_s, g[r0:r1], h_r, temperature, work, view)
+        if view is None:
+            _store_rows(out, r0, r1, e)
     return out
+
+
+def _chunk_probs(rows: Tensor, y, lse, temperature: float, work, e: Tensor) -> Tensor:
+    """e (R, V) fp32 = p = exp(z' - lse) of a chunk's rows (R, V) (any dtype; e may be the rows'
+    own fp32 storage), `work.S` rows at a time; returns fp32 (R,) logp_y = z'_y - lse (NaN for
+    an out-of-range token), read before anything is written."""
+    R, V = rows.shape
+    y_ok = (y >= 0) & (y < V)
+    z_y = rows.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1).float() / temperature
+    logp = torch.where(y_ok, z_y - lse, float("nan"))
+    for a in range(0, R, work.S):
+        b = min(R, a + work.S)
+        x, eb = rows[a:b], e[a:b]
+        if x.dtype == torch.float32 and temperature == 1.0:
+            torch.sub(x, lse[a:b, None], out=eb)
+        else:
+            eb.copy_(x)
+            if temperature != 1.0:
+                eb.div_(temperature)
+            eb.sub_(lse[a:b, None])
+        eb.exp_()
+    return logp
 
 
 def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:
     """out's flattened rows r0:r1 (out (B, T, V)) = src (R, V), cast to out's dtype."""
-    B, T, V = out.shape
-    if out.stride(0) == T * out.stride(1) or B == 1:
-        dst = _rows(out, r0, r1)
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
-    else:
+    dst = _view_rows(out, r0, r1)
+    if dst is None:
+        T = out.shape[1]
         idx = torch.arange(r0, r1, device=out.device)
         out[idx // T, idx % T] = src.to(out.dtype)
+    elif dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
 
 
 class _Work:
@@ -211,7 +220,7 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
     d_y = g * (1 - p_y)
     if h is not None:
         d_y = d_y - h * p_y * (logp + entropy)
-    d_y = torch.where(y_ok, d_y * inv_temp, float("nan"))
+    d_y = d_y * inv_temp
     for a in range(0, R, work.S):
         b = min(R, a + work.S)
         eb = e[a:b]
@@ -220,16 +229,12 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
         else:
             t = torch.log(eb, out=work.u(b - a)).clamp_(min=-1e4)  # e = 0 -> p log p = 0
             eb.mul_(t.mul_(k1[a:b, None]).add_(k0[a:b, None]))
-        eb[torch.arange(b - a, device=e.device), y_safe[a:b]] = d_y[a:b]
+        at = (torch.arange(b - a, device=e.device), y_safe[a:b])
+        # an out-of-range token (its logp is NaN) has no entry at y: its row stays p (a log p + c)
+        eb[at] = torch.where(y_ok[a:b], d_y[a:b], eb[at])
         if dst is not None and dst.data_ptr() != e.data_ptr():
             dst[a:b].copy_(eb)
     return e
-
-
-def _view_rows(out: Tensor, r0: int, r1: int) -> Tensor | None:
-    """out's (B, T, V) flattened rows r0:r1 as an (R, V) view, else None (rows do not flatten)."""
-    B, T, V = out.shape
-    return _rows(out, r0, r1) if out.stride(0) == T * out.stride(1) or B == 1 else None
 
 
 def stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):

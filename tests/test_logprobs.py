@@ -167,3 +167,55 @@ def test_minus_inf_logits(device):
     torch.testing.assert_close(ent.double(), e_ent, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(x.grad).all() and (x.grad[..., 5:12] == 0).all()
     torch.testing.assert_close(x.grad.double(), e_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_backward_over_several_chunks(monkeypatch, dtype, inplace):
+    """The torch path's backward, several chunks of several cache-sized blocks each (tiny
+    CHUNK_BYTES / SUB_BYTES, not divisors), through a non-flattenable view, in place, at a
+    temperature and with a -inf logit, against the reference."""
+    from fastrl import chunked
+
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 64 * 4 * 5)  # 5 rows per chunk
+    monkeypatch.setattr(chunked, "SUB_BYTES", 64 * 4 * 2)  # 2 rows per block
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 8, 64, generator=g)).to(dtype)
+    logits[1, 2, 7] = float("-inf")
+    tokens = torch.randint(0, 64, (3, 7), generator=g)
+    tokens[1, 1] = (7 + 1) % 64  # not the -inf entry
+    w1, w2 = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    base = logits.detach().clone().requires_grad_()
+    x = base * 1 if inplace else base  # a non-leaf, so inplace may overwrite its storage
+    logp, ent = ops.token_logprobs(x[:, 1:], tokens, temperature=0.8, inplace=inplace)
+    (logp * w1 + ent * w2).sum().backward()
+    xr = logits.detach().float().requires_grad_()
+    rlogp, rent = R.logprobs(xr[:, 1:], tokens, temperature=0.8, entropy=True)
+    rent = torch.nan_to_num(rent)  # the fp32 reference's 0 * -inf in the -inf row
+    _, (grtol, gatol) = TOL[dtype]
+    torch.testing.assert_close(logp, rlogp, rtol=1e-4, atol=1e-4)
+    (rlogp * w1 + rent * w2).sum().backward()
+    want = torch.nan_to_num(xr.grad)
+    assert torch.isfinite(base.grad).all() and base.grad[1, 2, 7] == 0
+    scale = want.abs().max().item()
+    torch.testing.assert_close(base.grad.float(), want, rtol=grtol, atol=gatol * scale)
+
+
+def test_masked_out_of_range_token_has_a_finite_gradient(device):
+    """A padding token outside [0, V) has logp = NaN in the op; masked out with torch.where, its
+    row's gradient is the entropy term alone (no entry at y), finite, on every backend."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 11, generator=g).to(device)
+    tokens = torch.randint(0, 11, (2, 3), generator=g).to(device)
+    tokens[1, 2] = -100
+    valid = tokens >= 0
+    x = logits.clone().requires_grad_()
+    logp, ent = ops.token_logprobs(x, tokens)  # (below fastrl.logprobs' CPU value check)
+    assert torch.isnan(logp[1, 2])
+    (torch.where(valid, logp, 0.0).sum() + 0.5 * ent.sum()).backward()
+    xr = logits.clone().requires_grad_()
+    rlogp, rent = R.logprobs(xr, tokens.clamp(min=0), entropy=True)
+    (torch.where(valid, rlogp, 0.0).sum() + 0.5 * rent.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
