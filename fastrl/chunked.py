@@ -82,9 +82,7 @@ def token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
     work = _Work(min(step, N), V, logits.device)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        view = _view_rows(out, r0, r1)
-        direct = view is not None and view.dtype == torch.float32
-        e = view if direct else work.e(r1 - r0)
+        view, e = work.target(out, r0, r1)
         y = y_all[r0:r1]
         logp = _chunk_probs(_rows(logits, r0, r1), y, lse[r0:r1], temperature, work, e)
         log_s = torch.zeros_like(logp)  # e is already normalised
@@ -151,6 +149,14 @@ class _Work:
 
     def es(self, n: int) -> Tensor:
         return self._get("es", self.S, n)
+
+    def target(self, out: Tensor, r0: int, r1: int) -> tuple[Tensor | None, Tensor]:
+        """(view, e) for the rows r0:r1 of `out` (B, T, V): view is their (R, V) view (None when
+        they do not flatten); e, where the chunk's fp32 values are built, is that view itself
+        when it is fp32, else the reused `e` buffer (then copied to `out` afterwards)."""
+        view = _view_rows(out, r0, r1)
+        direct = view is not None and view.dtype == torch.float32
+        return view, view if direct else self.e(r1 - r0)
 
 
 def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out):
@@ -249,10 +255,7 @@ def stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | No
     work = _Work(min(step, N), V, logits.device)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        e = None
-        if out is not None:
-            view = _view_rows(out, r0, r1)
-            e = view if view is not None and view.dtype == torch.float32 else work.e(r1 - r0)
+        e = None if out is None else work.target(out, r0, r1)[1]
         logp, ent, log_s, m = _chunk_stats(
             _rows(logits, r0, r1), y_all[r0:r1], temperature, work, e
         )
@@ -274,9 +277,9 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
     work = _Work(min(step, N), V, out.device)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        view = _view_rows(out, r0, r1)
-        direct = view is not None and view.dtype == torch.float32
-        e = view if direct else work.e(r1 - r0).copy_(_rows(out, r0, r1))
+        view, e = work.target(out, r0, r1)
+        if e is not view:
+            e.copy_(_rows(out, r0, r1))
         part = [None if t is None else t[r0:r1] for t in (y_all, logp, entropy, log_s, g, h)]
         _chunk_finish_(e, *part, temperature, work, view)
         if view is None:
@@ -297,9 +300,7 @@ def one_pass_(logits, tokens, temperature, rows_grad_fn, out):
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
         y = y_all[r0:r1]
-        view = _view_rows(out, r0, r1)
-        direct = view is not None and view.dtype == torch.float32
-        e = view if direct else work.e(r1 - r0)
+        view, e = work.target(out, r0, r1)
         logp, ent, log_s, _ = _chunk_stats(_rows(logits, r0, r1), y, temperature, work, e)
         g, h = rows_grad_fn(r0, r1, logp, ent)
         _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, temperature, work, view)
