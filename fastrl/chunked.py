@@ -68,51 +68,49 @@ def token_stats(logits: Tensor, tokens: Tensor, temperature: float):
     return logp, entropy, lse
 
 
+def _scaled(rows: Tensor, temperature: float) -> Tensor:
+    """z' = z / tau as fp32 (R, V); no copy for fp32 rows at tau = 1 (x / 1.0 == x exactly)."""
+    if temperature == 1.0 and rows.dtype == torch.float32:
+        return rows
+    return rows.float() / temperature
+
+
 def token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself.
 
-    The backward of `token_stats` (g = dL/dlogp, h = dL/dH given, fp32 (B, T)): per chunk one
-    exp per logit turns z into p = exp(z' - lse) (`_chunk_probs`), then `_chunk_finish_` makes
-    it dL/dz = p (a log p + c) with the exact entry at y, the same pass the fused losses use."""
+    dL/dz = (1/tau) [g (1[j=y] - p) - h p (log p + H)] = (1/tau) [g 1[j=y] - p (g + h (log p + H))]
+    computed per chunk as  d = p * (a log p + c),  a = -h / tau,  c = -(g + h H) / tau,  then
+    d[y] += g / tau  (two (R, V) fp32 temporaries). The fused losses' `_chunk_finish_` computes the
+    same from e in cache-sized blocks, with the entry at y rounded differently (g (1 - p_y)); this
+    backward keeps its own arithmetic because the trainer's supervised warm-up, which runs through
+    it, is sensitive to that last-bit difference (tests/test_trainer.py::test_algorithm_learns)."""
     B, T, V = logits.shape
-    N = B * T
-    y_all, lse, entropy = tokens.reshape(N).long(), lse.reshape(N), entropy.reshape(N)
-    g, h = g.reshape(N).float(), None if h is None else h.reshape(N).float()
+    inv_temp = 1.0 / temperature
+    y_all = tokens.reshape(-1).long()
+    lse, entropy, g = lse.reshape(-1), entropy.reshape(-1), g.reshape(-1).float()
+    h = None if h is None else h.reshape(-1).float()
     step = chunk_rows(V)
-    work = _Work(min(step, N), V, logits.device)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        view, e = work.target(out, r0, r1)
-        y = y_all[r0:r1]
-        logp = _chunk_probs(_rows(logits, r0, r1), y, lse[r0:r1], temperature, work, e)
-        log_s = torch.zeros_like(logp)  # e is already normalised
-        h_r = None if h is None else h[r0:r1]
-        _chunk_finish_(e, y, logp, entropy[r0:r1], log_s, g[r0:r1], h_r, temperature, work, view)
-        if view is None:
-            _store_rows(out, r0, r1, e)
-    return out
-
-
-def _chunk_probs(rows: Tensor, y, lse, temperature: float, work, e: Tensor) -> Tensor:
-    """e (R, V) fp32 = p = exp(z' - lse) of a chunk's rows (R, V) (any dtype; e may be the rows'
-    own fp32 storage), `work.S` rows at a time; returns fp32 (R,) logp_y = z'_y - lse (NaN for
-    an out-of-range token), read before anything is written."""
-    R, V = rows.shape
-    y_ok = (y >= 0) & (y < V)
-    z_y = rows.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1).float() / temperature
-    logp = torch.where(y_ok, z_y - lse, float("nan"))
-    for a in range(0, R, work.S):
-        b = min(R, a + work.S)
-        x, eb = rows[a:b], e[a:b]
-        if x.dtype == torch.float32 and temperature == 1.0:
-            torch.sub(x, lse[a:b, None], out=eb)
+    for r0 in range(0, B * T, step):
+        r1 = min(B * T, r0 + step)
+        g_r = g[r0:r1, None]
+        log_p = torch.sub(_scaled(_rows(logits, r0, r1), temperature), lse[r0:r1, None])
+        p = log_p.exp()  # (R, V)
+        if h is None:
+            d = p.mul_(g_r * -inv_temp)
         else:
-            eb.copy_(x)
-            if temperature != 1.0:
-                eb.div_(temperature)
-            eb.sub_(lse[a:b, None])
-        eb.exp_()
-    return logp
+            h_r = h[r0:r1, None]
+            log_p.clamp_(min=-1e30)  # -inf logit: p = 0 and p * (a log p + c) must stay 0
+            coef = log_p.mul_(h_r * -inv_temp).add_((g_r + h_r * entropy[r0:r1, None]) * -inv_temp)
+            view = _view_rows(out, r0, r1)  # an fp32 view of `out`: write straight into it
+            direct = view is not None and view.dtype == torch.float32
+            d = torch.mul(p, coef, out=view) if direct else p.mul_(coef)
+        del log_p
+        y = y_all[r0:r1]
+        y_ok = (y >= 0) & (y < V)
+        d.scatter_add_(1, torch.where(y_ok, y, 0)[:, None], torch.where(y_ok, g_r * inv_temp, 0.0))
+        _store_rows(out, r0, r1, d)
+        del d, p
+    return out
 
 
 def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:
