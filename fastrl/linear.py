@@ -24,6 +24,7 @@ GEMM); dW and db are accumulated across chunks in fp32 and cast once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -242,9 +243,10 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     hidden, weight, bias, tokens, mask, lse, entropy = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
-    dh, dw, db = linear_token_stats_backward(
-        hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, *ctx.args
-    )
+    with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtype, as is
+        dh, dw, db = linear_token_stats_backward(
+            hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, *ctx.args
+        )
     return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
             None, None)  # fmt: skip
 
@@ -376,6 +378,27 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
     return V, H
 
 
+def _autocast_dtype(device: torch.device):
+    """The dtype torch.autocast would run `F.linear` in on `device`, or None when it is off."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _under_autocast(hidden: Tensor, weight: Tensor, bias: Tensor | None):
+    """Inside torch.autocast the LM head runs as `F.linear` would: hidden, weight and bias are
+    cast to the autocast dtype (differentiable casts, so an fp32 weight receives an fp32
+    gradient) and the fused op then runs with autocast off, in that one dtype. Returns
+    (hidden, weight, bias, context)."""
+    dtype = _autocast_dtype(hidden.device)
+    if dtype is None:
+        return hidden, weight, bias, contextlib.nullcontext()
+    cast = lambda t: t if t is None or t.dtype == dtype else t.to(dtype)  # noqa: E731
+    off = torch.autocast(hidden.device.type, enabled=False)
+    return cast(hidden), cast(weight), cast(bias), off
+
+
 def default_chunk(V: int) -> int:
     """Rows per chunk of the LM-head paths: about 64 MB of fp32 logits (a few such
     temporaries exist at once)."""
@@ -408,6 +431,7 @@ def linear_logprobs(
     `entropy=True`; both differentiable w.r.t. hidden, weight and bias (the exact entropy
     gradient of SPEC 6), through torch.library custom ops (torch.compile traces them).
     Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V)` rows)."""
+    hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
     temperature = check_temperature(temperature)
     if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int64, torch.int32):
@@ -423,10 +447,11 @@ def linear_logprobs(
             raise ValueError(f"tokens must lie in [0, V) = [0, {V}), got values in [{lo}, {hi}]")
     if mask is not None:
         mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device, as_float=False)
-    logp, ent, _ = linear_token_stats(
-        hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
-        None if softcap is None else float(softcap), chunk_size or default_chunk(V),
-    )  # fmt: skip
+    with autocast_off:
+        logp, ent, _ = linear_token_stats(
+            hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
+            None if softcap is None else float(softcap), chunk_size or default_chunk(V),
+        )  # fmt: skip
     logp, ent = logp.view(tokens.shape), ent.view(tokens.shape)
     return (logp, ent) if entropy else logp
 
@@ -460,6 +485,7 @@ def fused_linear_policy_loss(
     Sequence-level options (GSPO ratio, sequence IS weights) take two phases (four GEMMs).
     Returns the same PolicyLossOutput as `policy_loss` (loss differentiable w.r.t. hidden,
     weight and bias)."""
+    hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
     # A zero-stride stand-in for the (.., V) logits: the shared input checks see their shape,
     # dtype and device, and no memory is used.
@@ -475,6 +501,18 @@ def fused_linear_policy_loss(
     chunk = chunk_size or default_chunk(V)
     params = [t for t in (hidden, weight, bias) if t is not None]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    with autocast_off:
+        out, grads = _linear_policy_forward(hidden, weight, bias, x, args, key, scale, cap, chunk,
+                                            wants_grad)  # fmt: skip
+    if wants_grad:
+        pairs = [(p, gr) for p, gr in zip(params, grads) if p.requires_grad]
+        out.loss = ops.attach_grads(out.loss, [p for p, _ in pairs], [gr for _, gr in pairs])
+    return out
+
+
+def _linear_policy_forward(hidden, weight, bias, x, args, key, scale, cap, chunk, wants_grad):
+    """The PolicyLossOutput (loss detached) and, with `wants_grad`, the gradients of
+    (hidden, weight[, bias]) computed in the forward."""
     if wants_grad:
         logp, entropy, dh, dw, db = linear_policy_grad(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), *args,
@@ -489,8 +527,6 @@ def fused_linear_policy_loss(
         logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
     with torch.no_grad():
         out = policy_output(logp, entropy, x)
-    if wants_grad:
-        grads = [dh.view(hidden.shape), dw] + ([] if bias is None else [db])
-        pairs = [(p, gr) for p, gr in zip(params, grads) if p.requires_grad]
-        out.loss = ops.attach_grads(out.loss, [p for p, _ in pairs], [gr for _, gr in pairs])
-    return out
+    if not wants_grad:
+        return out, None
+    return out, [dh.view(hidden.shape), dw] + ([] if bias is None else [db])

@@ -226,7 +226,7 @@ def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None)
     weights None: the whole loss (`policy_terms`; any option, sequence-level ones included).
     weights (c_t = dloss/dL_t from `aggregation_weights`): sum_t c_t L_t over the given rows
     only, exact when `is_token_separable(x.config)` (then rows can be processed chunk by chunk)."""
-    from .reference import aggregate, masked_sum, token_terms
+    from .reference import aggregate, token_terms
 
     cfg = x.config
     with_entropy = cfg.entropy_coef != 0
@@ -235,7 +235,10 @@ def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None)
         per_token = token_terms(lp, ent, x).per_token_loss
         if weights is None:
             return aggregate(per_token, x.mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
-        return masked_sum(per_token * weights, x.mask)
+        # c_t already carries m_t (it is d loss / d L_t of the masked aggregate): multiplying by
+        # the mask again would weight a fractional mask twice (m² for m); the mask here only
+        # keeps a NaN at an uncounted token out of the sum.
+        return torch.where(x.mask > 0, per_token * weights, 0.0).sum()
 
     with _autograd_enabled():
         lp = logp.detach().float().requires_grad_()

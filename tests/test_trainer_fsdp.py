@@ -52,8 +52,10 @@ def test_fsdp_two_processes_equal_one_process(algo, tmp_path):
     assert (p1 - p2).abs().max() < 2.5e-3
 
 
-@pytest.mark.parametrize("algo", ["dapo", "ppo"])
-def test_fsdp_run_trains_checkpoints_and_exports(algo, tmp_path):
+@pytest.mark.parametrize("algo,dtype", [("dapo", "fp32"), ("ppo", "fp32"), ("grpo", "bf16")])
+def test_fsdp_run_trains_checkpoints_and_exports(algo, dtype, tmp_path):
+    """bf16: autocast around fp32 FSDP shards, the LM head through the fused linear path (it
+    crashed at the first update with a Float / BFloat16 index_copy_)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
@@ -61,7 +63,7 @@ def test_fsdp_run_trains_checkpoints_and_exports(algo, tmp_path):
         "-m", "fastrl.cli", "train", "--fsdp", "--algo", algo, "--steps", "2", "--out", str(out),
         "--model-hidden", "32", "--model-layers", "2", "--batch-size", "4", "--group-size", "4",
         "--sft-steps", "0", "--eval-size", "8", "--max-new-tokens", "4", "--progress", "false",
-        "--device", "cpu", "--num-threads", "1", "--max-gen-batches", "2",
+        "--device", "cpu", "--num-threads", "1", "--max-gen-batches", "2", "--dtype", dtype,
     ]  # fmt: skip
     proc = torchrun(args, tmp_path)
     assert "done:" in proc.stdout
