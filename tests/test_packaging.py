@@ -85,3 +85,43 @@ def test_installed_package_imports_outside_repo(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "fastrl.kernels"
+
+
+def test_wheel_in_fresh_venv_trains(wheel, tmp_path):
+    """A non-editable install (the wheel, into a fresh virtual environment) imports every module
+    of the source tree and runs `fastrl train --steps 2` from its console script. The venv sees
+    the machine's site-packages (torch, transformers: no downloads), but fastrl only from the
+    wheel, and runs from a directory outside the checkout."""
+    import venv
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    pip = [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)]
+    proc = subprocess.run(pip, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    modules = sorted(
+        ".".join(("fastrl", *p.relative_to(ROOT / "fastrl").with_suffix("").parts))
+        for p in (ROOT / "fastrl").rglob("*.py")
+    ) + sorted(f"fastrl.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py"))
+    modules = [m.removesuffix(".__init__") for m in modules]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    mod = importlib.import_module(m)\n"
+        f"    assert mod.__file__.startswith({str(env_dir)!r}), (m, mod.__file__)\n"
+        "print('imported', len(sys.argv))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = lambda cmd: subprocess.run(  # noqa: E731
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    proc = run([str(py), "-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_run import TINY
+
+    cli = env_dir / "bin" / "fastrl"
+    proc = run([str(cli), "train", "--steps", "2", "--out", str(tmp_path / "run"), *TINY])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "done:" in proc.stdout
