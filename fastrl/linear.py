@@ -240,6 +240,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_logp, grad_entropy, grad_lse):
+    ops.refuse_double_backward("linear_logprobs")
     hidden, weight, bias, tokens, mask, lse, entropy = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)

@@ -178,7 +178,20 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+def refuse_double_backward(op: str) -> None:
+    """Raise a clear error when a backward runs with create_graph=True: fastrl's backwards are
+    custom kernels with no derivative of their own, so a gradient of the gradient (gradient
+    penalties, Hessian-vector products) would be missing or zero, never right."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"fastrl.{op}: backward with create_graph=True (a gradient of the gradient) is not "
+            "supported: the fused backward has no derivative of its own. Use plain autograd "
+            "(e.g. torch.log_softmax and gather on the logits) where second derivatives are needed"
+        )
+
+
 def _backward(ctx, grad_logp, grad_entropy, grad_lse):
+    refuse_double_backward("logprobs")
     logits, tokens, lse, entropy = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
@@ -518,6 +531,7 @@ class _AttachGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_double_backward("policy_loss")
         if not torch.compiler.is_compiling():
             if ctx.done:
                 raise RuntimeError(

@@ -41,10 +41,21 @@ def test_loss_types(tmp_path, loss_type, policy, agg):
     )
     cfg = loss_config_from_trl(args)
     assert (cfg.policy, cfg.agg) == (policy, agg)
-    assert (cfg.clip_low, cfg.clip_high, cfg.clip_delta) == (0.2, 0.28, 1.5)
+    # TRL applies delta to its PPO-style losses only (sapo / cispo ignore it)
+    delta = 1.5 if policy == "ppo" else None
+    assert (cfg.clip_low, cfg.clip_high, cfg.clip_delta) == (0.2, 0.28, delta)
     assert (cfg.kl_coef, cfg.kl_estimator, cfg.temperature) == (0.04, "k3", 0.7)
     assert cfg.max_len == (64 if loss_type == "dr_grpo" else None)
     assert cfg.rollout_is is None  # use_vllm is off
+
+
+def test_delta_as_trl_uses_it(tmp_path):
+    # cispo ignores delta in TRL: accepted, not applied (it was refused with clip_delta's name)
+    args = grpo_config(tmp_path, loss_type="cispo", epsilon_high=5.0, delta=1.5)
+    assert loss_config_from_trl(args).clip_delta is None
+    # a delta inside the clip range is refused under TRL's own option name
+    with pytest.raises(ValueError, match=r"TRL option delta=1.1 must be > 1 \+ epsilon_high"):
+        loss_config_from_trl(grpo_config(tmp_path, loss_type="dapo", epsilon_high=0.28, delta=1.1))
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -184,3 +184,26 @@ def test_logits_ops_under_autocast(engine, dtype):
     for a, b in zip(plain, cast):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- create_graph
+def test_double_backward_is_refused_clearly():
+    """create_graph=True needs a derivative of the fused backward, which does not exist: a clear
+    error, never a missing (policy_loss: silently zero) second-order term."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(4, 8, generator=g, requires_grad=True)
+    w = torch.randn(11, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 11, (4,), generator=g)
+    z = torch.randn(4, 11, generator=g, requires_grad=True)
+    losses = {
+        "linear_logprobs": lambda: fastrl.linear_logprobs(h, w, y).sum(),
+        "fused_linear_policy_loss": lambda: (
+            fastrl.fused_linear_policy_loss(h, w, y, torch.randn(4, generator=g)).loss
+        ),
+        "policy_loss": lambda: fastrl.policy_loss(z * 1, y, torch.randn(4, generator=g)).loss,
+        "logprobs": lambda: fastrl.logprobs(z * 1, y).sum(),
+    }
+    for name, loss_fn in losses.items():
+        with pytest.raises(RuntimeError, match="create_graph=True.*not supported"):
+            torch.autograd.grad(loss_fn(), [h, w] if "linear" in name else [z], create_graph=True)
+        loss_fn().backward()  # a plain backward still works

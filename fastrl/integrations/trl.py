@@ -124,7 +124,9 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
         # TRL multiplies the KL by `coef_1`, the ratio of importance_sampling_level
         kl_bias_ratio=level,
         temperature=float(get("temperature", 1.0)),
-        clip_delta=get("delta"),
+        # TRL applies `delta` (two-sided clipping) to the PPO-style losses only; cispo / sapo
+        # ignore it there, so they do here
+        clip_delta=get("delta") if policy == "ppo" else None,
         sapo_tau_pos=float(get("sapo_temperature_pos", 1.0)),
         sapo_tau_neg=float(get("sapo_temperature_neg", 1.05)),
     )
@@ -155,6 +157,12 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
         fields.update(clip_low=1.0, clip_high=eps_high - 1.0)
     else:
         fields.update(clip_low=eps_low, clip_high=eps_high)
+    delta = fields["clip_delta"]
+    if delta is not None and not (isinstance(delta, (int, float)) and delta > 1 + eps_high):
+        raise ValueError(
+            f"TRL option delta={delta!r} must be > 1 + epsilon_high = {1 + eps_high} (the "
+            "two-sided bound caps the ratio above the clip range), or None"
+        )
     if loss_type == "dr_grpo":
         fields["max_len"] = int(get("max_completion_length"))
     if get("use_vllm", False) and get("vllm_importance_sampling_correction", False):
