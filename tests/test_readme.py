@@ -65,6 +65,33 @@ def test_verl_section_runs(tmp_path):
     assert "actor/pg_clipfrac" in proc.stdout
 
 
+def test_verl_install_line_is_what_ci_runs():
+    """The README's verl install line is a line of .ci/run (so CI installs verl as documented)."""
+    section = _section("Use it in verl")
+    (install,) = [ln for b in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+                  for ln in b.splitlines() if ln.startswith("pip install")]  # fmt: skip
+    assert "--no-deps verl==" in install
+    assert install in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("verl") is None or importlib.util.find_spec("hydra") is None,
+    reason="verl / hydra-core not installed (the verl extra)",
+)
+def test_verl_main_ppo_line_composes(tmp_path):
+    """The README's main_ppo line, with `--cfg job` (compose verl's config, print it, exit): the
+    verl extra's install is enough for main_ppo to start, and fastrl's loss mode is accepted."""
+    section = _section("Use it in verl")
+    line = next(b for b in re.findall(r"```bash\n(.*?)```", section, flags=re.S) if "main_ppo" in b)
+    words = line.replace("\\\n", " ").split()
+    env_kv, cmd = words[0], [w for w in words[1:] if w != "..."]
+    assert env_kv == "VERL_USE_EXTERNAL_MODULES=fastrl.integrations.verl" and cmd[0] == "python"
+    key, value = env_kv.split("=", 1)
+    env = {**os.environ, key: value}
+    proc = _run([sys.executable, *cmd[1:], "--cfg", "job"], tmp_path, timeout=300, env=env)
+    assert "loss_mode: fastrl" in proc.stdout
+
+
 def test_torchrun_lines_run(tmp_path):
     """The README's torchrun lines as written, with a smaller run appended (argparse: the last
     value wins): data parallel on the embedded default, then FSDP2 on its export and a task
