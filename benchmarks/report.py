@@ -184,6 +184,60 @@ def _training(data: dict) -> list[str]:
     return lines
 
 
+# The code each results file measures (git pathspecs): a table whose file was recorded at a commit
+# older than the last change to these paths is marked stale. `fastrl/*.py` is the loss library's
+# top level (the trainer lives in fastrl/train/).
+_LIBRARY = [":(glob)fastrl/*.py", ":(glob)kernels/*.py"]
+MEASURES = {
+    "bench_policy_loss": [*_LIBRARY, "benchmarks/bench_policy_loss.py"],
+    "bench_fused_linear": [*_LIBRARY, "benchmarks/bench_fused_linear.py"],
+    "bench_gae": ["fastrl/advantages.py", "kernels/gae.py", "benchmarks/bench_gae.py"],
+    "bench_sample": ["fastrl/sampling.py", ":(glob)kernels/s*.py", "benchmarks/bench_sample.py"],
+    "train_summary": ["fastrl", "kernels", "benchmarks/bench_train.py"],
+    "learning": ["fastrl", "kernels", "benchmarks/bench_learning.py"],
+}
+
+
+def _git(*args: str) -> str | None:
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except OSError:
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def staleness(name: str, meta: dict) -> str | None:
+    """A warning line when the results file `name` (its stem) was recorded before the last
+    change to the code it measures (MEASURES), or at a commit this checkout does not know;
+    None when it is current (or git is unavailable)."""
+    key = next((k for k in MEASURES if name.startswith(k)), None)
+    commit = str(meta.get("git_commit") or "")
+    if key is None or _git("rev-parse", "--git-dir") is None:
+        return None
+    if not commit or _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return (
+            f"**Stale?** recorded at commit `{commit[:7] or '?'}`, which this checkout does not "
+            "have: rerun the benchmark to trust these numbers."
+        )
+    changed = _git("rev-list", f"{commit}..HEAD", "--", *MEASURES[key])
+    if not changed:
+        return None
+    commits = changed.splitlines()
+    return (
+        f"**Stale:** recorded at commit `{commit[:7]}`; {len(commits)} later commit(s) changed "
+        f"the code it measures (last `{commits[0][:7]}`). Rerun the benchmark to refresh it."
+    )
+
+
+def _with_staleness(name: str, data: dict, lines: list[str]) -> list[str]:
+    """`lines` with the staleness warning of the results `data` (its `meta`, or its top level
+    where the commit is recorded there) in front."""
+    warning = staleness(name, data.get("meta") or data)
+    return lines if warning is None else [warning, "", *lines]
+
+
 def tables(block: str, results: Path | None = None) -> str:
     """The Markdown of one README block: "train" (train_summary.json), "learning"
     (learning.json, the table bench_learning.py wrote beside it) or "bench" (the rest), from
@@ -193,12 +247,15 @@ def tables(block: str, results: Path | None = None) -> str:
     if block == "learning":
         table = results / "learning.md"
         if table.exists():
-            out += [table.read_text().rstrip(), "", f"(from `{_rel(results / 'learning.json')}`)"]
+            data = json.loads((results / "learning.json").read_text())
+            out += _with_staleness("learning", data, [table.read_text().rstrip()])
+            out += ["", f"(from `{_rel(results / 'learning.json')}`)"]
         return "\n".join(out).rstrip() + "\n"
     summary = results / "train_summary.json"
     if block == "train":
         if summary.exists():
-            out += _training(json.loads(summary.read_text()))
+            data = json.loads(summary.read_text())
+            out += _with_staleness("train_summary", data, _training(data))
             out += ["", f"(from `{_rel(summary)}`)", ""]
         return "\n".join(out).rstrip() + "\n"
     for path in sorted(results.glob("*.json")):
@@ -218,6 +275,7 @@ def tables(block: str, results: Path | None = None) -> str:
             )
         else:
             continue
+        lines = _with_staleness(name, data, lines)
         out += lines + ["", f"(from `{_rel(path)}`)", ""]
     return "\n".join(out).rstrip() + "\n"
 

@@ -154,3 +154,26 @@ def test_quick_runs_with_compile_and_liger(tmp_path):
     fl = _load(tmp_path / "bench_fused_linear_cpu.json")
     names = {r["method"] for r in fl["rows"]}
     assert "liger-fused-linear" in names or "liger-fused-linear" in fl["meta"]["notes"]
+
+
+def test_report_marks_a_table_older_than_its_code():
+    """A results file recorded before the last change to the code it measures is marked stale;
+    one recorded at HEAD is not; an unknown commit is flagged too."""
+    import subprocess
+
+    git = lambda *a: subprocess.run(  # noqa: E731
+        ["git", *a], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    head = git("rev-parse", "HEAD")
+    if not head or git("rev-parse", "--is-shallow-repository") == "true":
+        pytest.skip("needs a full git checkout")
+    report = _report()
+    changed = git("log", "--format=%H", "-2", "--", "fastrl/ops.py").splitlines()
+    if len(changed) < 2:
+        pytest.skip("needs two commits that changed fastrl/ops.py")
+    assert report.staleness("bench_policy_loss_cpu", {"git_commit": changed[1]}).startswith(
+        "**Stale:**"
+    )
+    assert report.staleness("bench_policy_loss_cpu", {"git_commit": head}) is None
+    unknown = report.staleness("bench_gae_cpu", {"git_commit": "0" * 40})
+    assert unknown.startswith("**Stale?**")
