@@ -27,6 +27,7 @@ a separate process from CPU timing (that malloc setting slows big allocations do
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import json
@@ -309,6 +310,21 @@ def plot_cases(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+@contextlib.contextmanager
+def busy_processes(k: int):
+    """Run the block with `k` other processes each spinning a pure-Python loop (one busy core
+    each): the load a shared machine puts on a benchmark. Killed on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, k))]
+    try:
+        if procs:
+            time.sleep(1.0)  # let them reach their loop
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def cpu_rates(numel: int = 1 << 26, rep: int = 5) -> dict:

@@ -74,6 +74,7 @@ from _baselines import make_trl_eager_loss, make_verl_eager_loss  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS_DIR,
     _quantile,
+    busy_processes,
     cpu_rates,
     device_info,
     memory_in_child,
@@ -408,6 +409,13 @@ def build_parser():
         default=str(RESULTS_DIR),
         help="results folder (default benchmarks/results/); files bench_policy_loss_<device>.*",
     )
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="time with this many other processes each keeping one core busy (a pure-Python "
+        "loop), as on a shared machine; results go to bench_policy_loss_<device>_busy<K>.*",
+    )
     p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -478,7 +486,10 @@ def main(argv=None):
         case_rows = []
         for name, method in methods.items():
             bar.set_postfix_str(f"{label}: {name}")
-            row, mem_method = bench_method(name, method, case, args, device, mems.get(name), rates)
+            with busy_processes(args.busy):
+                row, mem_method = bench_method(
+                    name, method, case, args, device, mems.get(name), rates
+                )
             case_rows.append(row)
             bar.update()
             bar.write(
@@ -520,10 +531,11 @@ def main(argv=None):
         "machine_rates": rates,
         "exp_floor": "N * V / exp_per_s (one exp per logit)" if rates.get("exp_per_s") else None,
         "threads": torch.get_num_threads(),
+        "busy_processes": args.busy,
         "env": run_env(),
         "notes": notes,
     }
-    name = f"bench_policy_loss_{device.type}"
+    name = f"bench_policy_loss_{device.type}" + (f"_busy{args.busy}" if args.busy else "")
     out = Path(args.out)
     paths = write_results(name, rows, meta, out)
     if not args.no_plot:

@@ -55,12 +55,19 @@ def _policy_loss(data: dict) -> list[str]:
             f"{rates['exp_per_s'] / 1e9:.2f} G/s ({rates.get('rates_threads')} threads); the "
             "exp floor is one exp per logit, N * V / exp rate."
         )
+    busy = meta.get("busy_processes") or 0
+    load = (
+        f"**With {busy} other process(es) each keeping a core busy** (a pure-Python loop), as "
+        "on a shared machine. "
+        if busy
+        else ""
+    )
     lines = [
-        "**Policy loss on logits, forward + backward** (GRPO: clip 0.2 / 0.2, k3 KL with beta "
-        "0.04, seq-mean-token-mean). Speed-ups and memory ratios are against `trl-eager`, what "
-        "TRL's GRPOTrainer runs on logits (`selective_log_softmax` + the entropy metric + its "
-        "per-token math); `reference (oracle)` is fastrl's readable oracle, shown for context "
-        f"only. {_machine(meta)}.{measured}",
+        load + "**Policy loss on logits, forward + backward** (GRPO: clip 0.2 / 0.2, k3 KL "
+        "with beta 0.04, seq-mean-token-mean). Speed-ups and memory ratios are against "
+        "`trl-eager`, what TRL's GRPOTrainer runs on logits (`selective_log_softmax` + the "
+        "entropy metric + its per-token math); `reference (oracle)` is fastrl's readable "
+        f"oracle, shown for context only. {_machine(meta)}.{measured}",
         "",
         "| method | shape | dtype | median ms (q20-q80) | vs trl-eager | peak MB | "
         "memory vs trl-eager | exp-floor ratio |",
