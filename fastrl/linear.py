@@ -11,7 +11,7 @@ holding the (N, V) logits. Here, rows are processed `chunk` at a time:
 recomputes each chunk's logits once: dz (SPEC 6 from the upstream g = dL/dlogp, h = dL/dH),
 then dX = dz W and dW += dz^T X (4 GEMMs per chunk in all; the upstream gradient is not known
 in the forward). `fused_linear_policy_loss` knows its per-token gradient in the forward when
-the loss is token-separable (`reference.is_token_separable`): per chunk ONE logits GEMM, the
+the loss is token-separable (`terms.is_token_separable`): per chunk ONE logits GEMM, the
 statistics and dz in one pass (fastrl.ops.stats_and_grad_), then dX and dW: three GEMMs, no
 recompute. Sequence-level options (GSPO ratio, sequence IS weights) take two phases (statistics
 of every chunk, then the per-token gradient, then the logits again: four GEMMs).
@@ -33,7 +33,7 @@ from torch import Tensor
 from . import chunked, ops
 from ._inputs import FLOAT_DTYPES, check_mask, check_temperature, describe, prepare_policy_inputs
 from .config import LossConfig
-from .reference import PolicyLossOutput, aggregation_weights, is_token_separable, policy_output
+from .terms import PolicyLossOutput, aggregation_weights, is_token_separable, policy_output
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
 

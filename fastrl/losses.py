@@ -4,7 +4,7 @@ The fused policy loss is split in three, so that the (N, V) logits are touched b
 
 1. `fastrl.ops.token_logprobs` (Triton on CUDA, chunked torch on CPU): one pass over each logits
    row gives logp_t = z'_y - lse and H_t = lse - sum_j p_j z'_j (fp32, (B, T)).
-2. `fastrl.reference.policy_terms`: every option of SPEC 1-5 as O(N) torch math on (B, T) tensors:
+2. `fastrl.terms.policy_terms`: every option of SPEC 1-5 as O(N) torch math on (B, T) tensors:
    ratio, clipped / CISPO / SAPO / REINFORCE term, rollout IS weight, KL, entropy bonus,
    aggregation, metrics. Autograd through it yields g_t = dloss/dlogp_t and h_t = dloss/dH_t.
 3. the op's backward writes dloss/dz_tj = (1/tau)[g_t(1[j=y_t] - p_tj) - h_t p_tj(log p_tj + H_t)]
@@ -24,13 +24,8 @@ from . import ops
 from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
-from .reference import PolicyLossOutput, policy_output, policy_terms
-
-try:  # SPEC 8 lives in fastrl/value.py once it exists
-    from .value import value_loss
-except ImportError:  # pragma: no cover - until fastrl/value.py lands
-    from .reference import value_loss
-
+from .terms import PolicyLossOutput, policy_output, policy_terms
+from .value import value_loss
 
 __all__ = [
     "PolicyLossOutput",

@@ -11,7 +11,7 @@ Two ways through the (B, T, V) logits, both reading them once per use:
   in one pass over the logits (no (N, V) intermediate besides the gradient itself).
 * `policy_loss_grad` / `policy_loss_grad_` (in place): fastrl's own policy loss, whose g and h are
   O(N) functions of (logp, H) and the per-token inputs (`token_grads`: autograd on
-  `reference.token_terms`, one implementation of SPEC 1-5). The forward computes the
+  `terms.token_terms`, one implementation of SPEC 1-5). The forward computes the
   statistics, g, h and dL/dz together; the backward (`scale_grad_`) only multiplies by
   grad_output, and skips even that when it is exactly 1. On the torch path a token-separable
   loss (token-level ratio) is done chunk by chunk in ONE pass: per chunk of `chunk_rows(V)` rows
@@ -239,7 +239,7 @@ def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None)
     weights None: the whole loss (`policy_terms`; any option, sequence-level ones included).
     weights (c_t = dloss/dL_t from `aggregation_weights`): sum_t c_t L_t over the given rows
     only, exact when `is_token_separable(x.config)` (then rows can be processed chunk by chunk)."""
-    from .reference import aggregate, token_terms
+    from .terms import aggregate, token_terms
 
     cfg = x.config
     with_entropy = cfg.entropy_coef != 0
@@ -291,7 +291,7 @@ def stats_and_grad_(
     (which may be `logits`), where (g, h) = token_grads(logp, entropy, x, weights) (see there).
     One exp per logit on the torch path, in one pass over the logits when the loss is
     token-separable (rows are finished chunk by chunk); stats + gradient kernels on Triton."""
-    from .reference import aggregation_weights, is_token_separable
+    from .terms import aggregation_weights, is_token_separable
 
     temperature = float(temperature)
     grad_fn = lambda lp, ent: token_grads(lp, ent, x, weights)  # noqa: E731

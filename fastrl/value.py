@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ._inputs import check_float, check_mask, describe
 from .config import AGGS
-from .reference import aggregate, masked_mean
+from .terms import aggregate, masked_mean
 
 
 def _check_count(name: str, count, values: Tensor) -> Tensor | float | None:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 def logp_policy_inputs(logp: Tensor, advantages: Tensor, old, ref, mask, rollout, config, counts):
     """`fastrl._inputs.prepare_policy_inputs` for per-token log-probs logp (B, T) instead of
-    logits, for trainers that have computed them already: SPEC 1-5 (`reference.token_terms` /
+    logits, for trainers that have computed them already: SPEC 1-5 (`terms.token_terms` /
     `aggregate`) only read logp and H, so the logits slot holds a (B, T, 1) zero view that takes
     no memory and is never read. `counts`: {"num_tokens": ..., "num_seqs": ...} overrides."""
     from .._inputs import prepare_policy_inputs

@@ -16,7 +16,7 @@ generation, rewards, advantages, buffering and logging). Two things change:
    replaces that head's computation on the same `model(..., fused_lm_head=True)` call, so
    temperature, `cast_lm_head_to_fp32`, logit scale / softcap, PEFT and MoE aux losses behave
    as in TRL.
-2. the loss is SPEC 1-5 (`fastrl.reference.token_terms` / `aggregate`, the code the fused
+2. the loss is SPEC 1-5 (`fastrl.terms.token_terms` / `aggregate`, the code the fused
    kernels are checked against) on those (B, T) log-probs, with `loss_config_from_trl(args)`
    and TRL's normalisers: grpo / sapo / luspo / bnpo / dr_grpo divide by the gradient
    accumulation steps, dapo / cispo by `num_items_in_batch` rescaled to one accumulation window
@@ -300,7 +300,7 @@ def _make_trainer_class():
     from accelerate.utils import is_peft_model
     from trl.trainer.utils import nanmax, nanmin
 
-    from ..reference import aggregate, token_terms
+    from ..terms import aggregate, token_terms
 
     base = trl.GRPOTrainer
 

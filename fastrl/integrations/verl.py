@@ -10,7 +10,7 @@
 1. registers fastrl's policy loss in verl's policy-loss registry
    (`verl.trainer.ppo.core_algos.register_policy_loss`) as `fastrl` (= verl's `vanilla`, the
    dual-clip PPO) and `fastrl_<mode>` for verl's gspo / sapo / cispo / gpg. The loss is SPEC 1-5
-   (`fastrl.reference.token_terms` / `aggregate`, the code fastrl's kernels are checked
+   (`fastrl.terms.token_terms` / `aggregate`, the code fastrl's kernels are checked
    against) with `loss_config_from_verl(actor)`, verl's normalisers (`global_batch_info`:
    dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) and verl's precomputed
    `rollout_is_weights` (verl's rollout correction) multiplying each token's policy term as in
@@ -174,7 +174,7 @@ def make_policy_loss(loss_mode: str = "fastrl"):
     """A verl policy-loss function (verl's `PolicyLossFn` signature) computing SPEC 1-5 with
     the LossConfig of verl's actor config for `loss_mode`, verl's normalisers and its
     precomputed `rollout_is_weights`. Returns (loss, metrics) with verl's metric names."""
-    from ..reference import aggregate, token_terms
+    from ..terms import aggregate, token_terms
 
     base = _base_mode(loss_mode)
     if base not in _LOSS_MODES:
@@ -227,7 +227,7 @@ def _verl_metrics(base: str, t, x, logp: Tensor, A: Tensor, cfg: LossConfig) -> 
     term wins; for cispo the share whose ratio is clipped; 0 for sapo), ppo_kl (mean of
     old - logp), pg_clipfrac_lower (share where the dual clip bites; 0 but for vanilla), with
     verl's advantages A (B, T) before the rollout IS weights."""
-    from ..reference import masked_mean
+    from ..terms import masked_mean
 
     if base == "gpg":
         return {}

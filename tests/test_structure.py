@@ -1,0 +1,34 @@
+"""The house rules that keep fastrl readable: the eager oracle (`fastrl/reference.py`) is imported
+by tests and benchmarks only, never by a production module (production shares the per-token math
+through `fastrl/terms.py`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names a module imports (relative imports resolved against fastrl's layout)."""
+    pkg = ["fastrl", *path.relative_to(ROOT / "fastrl").parent.parts]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(mod)
+            names |= {f"{mod}.{a.name}" for a in node.names}
+    return names
+
+
+def test_no_production_module_imports_the_oracle():
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "fastrl").rglob("*.py")
+        if p.name != "reference.py" and "fastrl.reference" in _imports(p)
+    ]
+    assert not offenders, f"production modules importing fastrl.reference: {offenders}"
