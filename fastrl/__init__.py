@@ -22,6 +22,7 @@ from .losses import (
     linear_logprobs,
     logprobs,
     policy_loss,
+    policy_loss_from_logprobs,
     value_loss,
 )
 from .sampling import sample
@@ -39,6 +40,7 @@ __all__ = [
     "logprobs",
     "overlong_penalty",
     "policy_loss",
+    "policy_loss_from_logprobs",
     "sample",
     "value_loss",
     "whiten",

@@ -171,8 +171,12 @@ def prepare_policy_inputs(
     config: LossConfig | str | None,
     overrides: dict,
     check_range: bool | None = None,
+    per_token: Tensor | None = None,
 ) -> PolicyInputs:
-    """Validate the arguments of `policy_loss` and bring them to the canonical (B, T) form."""
+    """Validate the arguments of `policy_loss` and bring them to the canonical (B, T) form.
+
+    Without logits (logits = tokens = None), `per_token` (B, T) or (N,) (the caller's log-probs,
+    `policy_loss_from_logprobs`) gives the layout, device and the (B, T) shape."""
     overrides = dict(overrides)
     # Global counts may be 0-dim tensors (an all-reduced count): keep them out of the dataclass.
     counts = {}
@@ -182,16 +186,22 @@ def prepare_policy_inputs(
             c = counts[key]
             if c.numel() != 1 or c.is_complex() or c.dtype == torch.bool:
                 raise shape_error(key, c, "a number or a one-element real tensor")
-            if c.device.type == "meta" and getattr(logits, "device", c.device).type != "meta":
+            like = logits if logits is not None else per_token
+            if c.device.type == "meta" and getattr(like, "device", c.device).type != "meta":
                 raise shape_error(key, c, "a tensor on the logits' device or the CPU, not meta")
             counts[key] = c.detach()
     cfg = resolve_config(config, overrides)
     num_tokens = counts.get("num_tokens", cfg.num_tokens)
     num_seqs = counts.get("num_seqs", cfg.num_seqs)
 
-    logits, tokens, flat = check_logits_tokens(logits, tokens, check_range)
-    B, T = tokens.shape
-    dev = logits.device
+    if logits is None:
+        flat = per_token.dim() == 1
+        B, T = (1, per_token.shape[0]) if flat else tuple(per_token.shape)
+        dev = per_token.device
+    else:
+        logits, tokens, flat = check_logits_tokens(logits, tokens, check_range)
+        B, T = tokens.shape
+        dev = logits.device
 
     if not isinstance(advantages, Tensor):
         raise ValueError(f"advantages must be a float tensor, got {type(advantages).__name__}")
@@ -243,9 +253,10 @@ def prepare_policy_inputs(
         }
         used = [f"{k}={getattr(cfg, k)!r}" for k, on in seq_opts.items() if on]
         if used:
+            what = "per-token tensors" if logits is None else f"logits {(T, logits.shape[-1])}"
             raise ValueError(
-                f"{', '.join(used)} needs sequences: pass logits (B, T, V) and tokens (B, T), "
-                f"not flat logits {(T, logits.shape[-1])}"
+                f"{', '.join(used)} needs sequences: pass (B, T) inputs (logits (B, T, V) and "
+                f"tokens (B, T)), not flat {what}"
             )
     return PolicyInputs(
         logits,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._inputs import check_logits_tokens, check_temperature, prepare_policy_inputs
+from ._inputs import check_logits_tokens, check_temperature, describe, prepare_policy_inputs
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
 from .terms import PolicyLossOutput, policy_output, policy_terms
@@ -33,6 +33,7 @@ __all__ = [
     "linear_logprobs",
     "logprobs",
     "policy_loss",
+    "policy_loss_from_logprobs",
     "policy_terms",
     "value_loss",
 ]
@@ -120,6 +121,50 @@ def policy_loss(
     if check_finite:
         _check_finite(out.loss, logp)
     return out
+
+
+def policy_loss_from_logprobs(
+    logp: Tensor,
+    entropy: Tensor | None,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    config: LossConfig | str | None = None,
+    **overrides,
+) -> PolicyLossOutput:
+    """The policy loss of SPEC 1-5 from per-token log-probs someone already has (a trainer's own
+    forward, `linear_logprobs`, another engine): the same options, outputs and metrics as
+    `policy_loss`, with the loss differentiable w.r.t. `logp` (and `entropy`).
+
+    Shapes: logp (B, T) or (N,), float (computed in fp32); entropy like logp, or None (then H = 0:
+    no entropy bonus allowed, the `entropy` metric is 0); advantages (B,), (B, T) or (N,);
+    old_logp / ref_logp / rollout_logp / mask like logp; config and overrides as in
+    `policy_loss`. O(N) work: the per-token math of `fastrl.terms`, plain autograd."""
+    if not isinstance(logp, Tensor) or not logp.is_floating_point() or logp.dim() not in (1, 2):
+        raise ValueError(f"logp must be a (B, T) or (N,) float tensor, got {describe(logp)}")
+    if entropy is not None and (
+        not isinstance(entropy, Tensor)
+        or not entropy.is_floating_point()
+        or entropy.shape != logp.shape
+        or entropy.device != logp.device
+    ):
+        raise ValueError(
+            f"entropy must be None or a float tensor like logp {tuple(logp.shape)} on "
+            f"{logp.device}, got {describe(entropy)}"
+        )
+    x = prepare_policy_inputs(
+        None, None, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
+        per_token=logp,
+    )  # fmt: skip
+    if entropy is None and x.config.entropy_coef != 0:
+        raise ValueError(
+            f"entropy_coef={x.config.entropy_coef} needs the per-token entropy: pass entropy"
+        )
+    lp = logp.float().reshape(x.mask.shape)
+    ent = torch.zeros_like(lp) if entropy is None else entropy.float().reshape(x.mask.shape)
+    return policy_output(lp, ent, x)
 
 
 def _policy_grad(x, inplace: bool):
