@@ -175,8 +175,9 @@ def prepare_policy_inputs(
 ) -> PolicyInputs:
     """Validate the arguments of `policy_loss` and bring them to the canonical (B, T) form.
 
-    Without logits (logits = tokens = None), `per_token` (B, T) or (N,) (the caller's log-probs,
-    `policy_loss_from_logprobs`) gives the layout, device and the (B, T) shape."""
+    Without logits (logits = None), `per_token` (B, T) or (N,) (the caller's log-probs,
+    `policy_loss_from_logprobs`), or else `tokens` (already checked by the caller, e.g. against
+    the LM head's V), gives the layout, device and the (B, T) shape."""
     overrides = dict(overrides)
     # Global counts may be 0-dim tensors (an all-reduced count): keep them out of the dataclass.
     counts = {}
@@ -186,8 +187,8 @@ def prepare_policy_inputs(
             c = counts[key]
             if c.numel() != 1 or c.is_complex() or c.dtype == torch.bool:
                 raise shape_error(key, c, "a number or a one-element real tensor")
-            like = logits if logits is not None else per_token
-            if c.device.type == "meta" and getattr(like, "device", c.device).type != "meta":
+            like = next(t for t in (logits, per_token, tokens) if t is not None)
+            if c.device.type == "meta" and like.device.type != "meta":
                 raise shape_error(key, c, "a tensor on the logits' device or the CPU, not meta")
             counts[key] = c.detach()
     cfg = resolve_config(config, overrides)
@@ -195,9 +196,12 @@ def prepare_policy_inputs(
     num_seqs = counts.get("num_seqs", cfg.num_seqs)
 
     if logits is None:
-        flat = per_token.dim() == 1
-        B, T = (1, per_token.shape[0]) if flat else tuple(per_token.shape)
-        dev = per_token.device
+        like = per_token if per_token is not None else tokens
+        flat = like.dim() == 1
+        B, T = (1, like.shape[0]) if flat else tuple(like.shape)
+        dev = like.device
+        if tokens is not None:
+            tokens = tokens.reshape(B, T)
     else:
         logits, tokens, flat = check_logits_tokens(logits, tokens, check_range)
         B, T = tokens.shape

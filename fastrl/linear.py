@@ -379,6 +379,22 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
     return V, H
 
 
+def _check_tokens(tokens, hidden: Tensor, V: int) -> None:
+    """tokens: int64 / int32, hidden's shape without H, hidden's device; values in [0, V) (read
+    on CPU tensors only, outside compiled graphs: no device sync)."""
+    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must be an int64 / int32 tensor, got {describe(tokens)}")
+    if tuple(tokens.shape) != tuple(hidden.shape[:-1]) or tokens.device != hidden.device:
+        raise ValueError(
+            f"tokens must have shape {tuple(hidden.shape[:-1])} (hidden without H) on "
+            f"{hidden.device}, got {describe(tokens)}"
+        )
+    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"tokens must lie in [0, V) = [0, {V}), got values in [{lo}, {hi}]")
+
+
 def _autocast_dtype(device: torch.device):
     """The dtype torch.autocast would run `F.linear` in on `device`, or None when it is off."""
     kind = device.type
@@ -435,17 +451,7 @@ def linear_logprobs(
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
     temperature = check_temperature(temperature)
-    if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"tokens must be an int64 / int32 tensor, got {describe(tokens)}")
-    if tuple(tokens.shape) != tuple(hidden.shape[:-1]) or tokens.device != hidden.device:
-        raise ValueError(
-            f"tokens must have shape {tuple(hidden.shape[:-1])} (hidden without H) on "
-            f"{hidden.device}, got {describe(tokens)}"
-        )
-    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= V:
-            raise ValueError(f"tokens must lie in [0, V) = [0, {V}), got values in [{lo}, {hi}]")
+    _check_tokens(tokens, hidden, V)
     if mask is not None:
         mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device, as_float=False)
     with autocast_off:
@@ -488,14 +494,10 @@ def fused_linear_policy_loss(
     weight and bias)."""
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
-    # A zero-stride stand-in for the (.., V) logits: the shared input checks see their shape,
-    # dtype and device, and no memory is used.
-    stand_in = hidden.new_zeros(()).expand((*hidden.shape[:-1], V))
-    check_range = False if torch.compiler.is_compiling() else None
+    _check_tokens(tokens, hidden, V)
     x = prepare_policy_inputs(
-        stand_in, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
-        check_range=check_range,
-    )  # fmt: skip
+        None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides
+    )
     args = (x.tokens, *ops.op_inputs(x))
     key = ops.config_key(x.config)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)

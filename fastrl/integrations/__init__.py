@@ -9,20 +9,15 @@ until it is used):
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 
 def logp_policy_inputs(logp: Tensor, advantages: Tensor, old, ref, mask, rollout, config, counts):
     """`fastrl._inputs.prepare_policy_inputs` for per-token log-probs logp (B, T) instead of
-    logits, for trainers that have computed them already: SPEC 1-5 (`terms.token_terms` /
-    `aggregate`) only read logp and H, so the logits slot holds a (B, T, 1) zero view that takes
-    no memory and is never read. `counts`: {"num_tokens": ..., "num_seqs": ...} overrides."""
+    logits, for trainers that have computed them already (SPEC 1-5 only read logp and H).
+    `counts`: {"num_tokens": ..., "num_seqs": ...} overrides."""
     from .._inputs import prepare_policy_inputs
 
-    B, T = logp.shape
-    no_logits = logp.new_zeros(()).expand(B, T, 1)
-    no_tokens = torch.zeros((), dtype=torch.long, device=logp.device).expand(B, T)
     return prepare_policy_inputs(
-        no_logits, no_tokens, advantages, old, ref, mask, rollout, config, counts, False
+        None, None, advantages, old, ref, mask, rollout, config, counts, per_token=logp
     )
