@@ -256,29 +256,22 @@ linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------- the fused policy loss
-@torch.library.custom_op("fastrl::linear_policy_grad", mutates_args=())
-def linear_policy_grad(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    tokens: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    rollout_logp: Tensor | None,
-    mask: Tensor,
-    num_tokens: Tensor | None,
-    num_seqs: Tensor | None,
-    config: str,
-    logit_scale: float,
-    softcap: float | None,
-    chunk: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+torch.library.define(
+    "fastrl::linear_policy_grad",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, {ops.POLICY_ARGS_SCHEMA}, float logit_scale, "
+    "float? softcap, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("fastrl::linear_policy_grad", "default")
+def _linear_policy_grad(hidden, weight, bias, *args):
     """(logp, entropy) fp32 (B, T) and the gradients (hidden (N, H), weight, bias or (0,)) of
     the policy loss of SPEC 1-5 on z = softcap(s (hidden W^T + b)), all in the forward.
-    tokens and the per-token inputs are (B, T); hidden's rows flatten to N = B T."""
-    x = ops._policy_inputs(None, tokens, advantages, old_logp, ref_logp, rollout_logp, mask,
-                           num_tokens, num_seqs, config)  # fmt: skip
+    `args`: the per-token inputs (ops.POLICY_ARGS_SCHEMA, (B, T)), then logit_scale, softcap and
+    chunk; hidden's rows flatten to N = B T."""
+    x = ops.policy_inputs_from_op(None, args[:-3])
+    logit_scale, softcap, chunk = args[-3:]
+    tokens, mask = x.tokens, x.mask
     tau = x.config.temperature
     B, T = tokens.shape
     N = B * T
@@ -322,14 +315,16 @@ def linear_policy_grad(
     return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
 
 
-@linear_policy_grad.register_fake
-def _(hidden, weight, bias, tokens, advantages, old_logp, ref_logp, rollout_logp, mask,
-      num_tokens, num_seqs, config, logit_scale, softcap, chunk):  # fmt: skip
-    B, T = tokens.shape
+@torch.library.register_fake("fastrl::linear_policy_grad")
+def _(hidden, weight, bias, *args):
+    B, T = args[0].shape  # tokens
     V = weight.shape[0] if bias is not None else 0
     stats = [hidden.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
     return (*stats, hidden.new_empty(B * T, weight.shape[1]), torch.empty_like(weight),
             weight.new_empty(V))  # fmt: skip
+
+
+linear_policy_grad = torch.ops.fastrl.linear_policy_grad.default
 
 
 # --------------------------------------------------------------------------- public functions
@@ -498,14 +493,13 @@ def fused_linear_policy_loss(
     x = prepare_policy_inputs(
         None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides
     )
-    args = (x.tokens, *ops.op_inputs(x))
-    key = ops.config_key(x.config)
+    args = ops.op_inputs(x)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
     chunk = chunk_size or default_chunk(V)
     params = [t for t in (hidden, weight, bias) if t is not None]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
     with autocast_off:
-        out, grads = _linear_policy_forward(hidden, weight, bias, x, args, key, scale, cap, chunk,
+        out, grads = _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk,
                                             wants_grad)  # fmt: skip
     if wants_grad:
         pairs = [(p, gr) for p, gr in zip(params, grads) if p.requires_grad]
@@ -513,13 +507,13 @@ def fused_linear_policy_loss(
     return out
 
 
-def _linear_policy_forward(hidden, weight, bias, x, args, key, scale, cap, chunk, wants_grad):
+def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wants_grad):
     """The PolicyLossOutput (loss detached) and, with `wants_grad`, the gradients of
     (hidden, weight[, bias]) computed in the forward."""
     if wants_grad:
         logp, entropy, dh, dw, db = linear_policy_grad(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), *args,
-            key, scale, cap, chunk,
+            scale, cap, chunk,
         )  # fmt: skip
     else:
         flat_tokens = x.tokens.reshape(-1)

@@ -173,13 +173,12 @@ def _policy_grad(x, inplace: bool):
     logits = x.logits
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         logits = logits.contiguous()  # the only copy: a V dimension that is not contiguous
-    key = ops.config_key(x.config)
     if inplace:
         with torch.no_grad():
             target = logits.detach()  # shares the version counter: autograd sees the write
-            logp, entropy = ops.policy_loss_grad_(target, x.tokens, *ops.op_inputs(x), key)
+            logp, entropy = ops.policy_loss_grad_(target, *ops.op_inputs(x))
         return logp, entropy, target
-    return ops.policy_loss_grad(logits.detach(), x.tokens, *ops.op_inputs(x), key)
+    return ops.policy_loss_grad(logits.detach(), *ops.op_inputs(x))
 
 
 def _check_inplace(logits: Tensor) -> None:

@@ -323,7 +323,6 @@ def stats_and_grad_(
 @torch.compiler.assume_constant_result
 def config_key(cfg) -> str:
     """A LossConfig as a string (a constant of the op schema, so of a compiled graph)."""
-    import dataclasses
     import json
 
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
@@ -353,143 +352,74 @@ def select_rows(x, rows):
     )  # fmt: skip
 
 
+# The per-token inputs of a policy loss, as custom-op arguments: written once here, used by the
+# schemas of fastrl::policy_loss_grad(_) and fastrl::linear_policy_grad, packed from PolicyInputs
+# by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in the config key.
+POLICY_ARGS_SCHEMA = (
+    "Tensor tokens, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
+    "Tensor? rollout_logp, Tensor mask, Tensor? num_tokens, Tensor? num_seqs, str config"
+)
+
+
 def op_inputs(x) -> tuple:
-    """A PolicyInputs' per-token tensors as policy-op arguments (tensor counts apart; Python
-    counts travel in the config key)."""
+    """PolicyInputs as the POLICY_ARGS_SCHEMA arguments (tokens ... config)."""
     counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
-    return (x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts)
+    return (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts,
+            config_key(x.config))  # fmt: skip
 
 
-def _policy_inputs(
-    logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, config
-):
+def policy_inputs_from_op(logits, args):
+    """PolicyInputs from the POLICY_ARGS_SCHEMA arguments `args` (the inverse of `op_inputs`)."""
     import json
 
     from ._inputs import PolicyInputs
     from .config import LossConfig
 
-    cfg = LossConfig(**json.loads(config))
+    tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, key = args
+    cfg = LossConfig(**json.loads(key))
     return PolicyInputs(
-        logits,
-        tokens,
-        advantages,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        mask,
-        False,
-        cfg,
+        logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, False, cfg,
         cfg.num_tokens if num_tokens is None else num_tokens,
         cfg.num_seqs if num_seqs is None else num_seqs,
-    )
+    )  # fmt: skip
 
 
-def _policy_grad_into(
-    logits,
-    tokens,
-    advantages,
-    old_logp,
-    ref_logp,
-    rollout_logp,
-    mask,
-    num_tokens,
-    num_seqs,
-    config,
-    out,
-):
-    x = _policy_inputs(
-        logits,
-        tokens,
-        advantages,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        mask,
-        num_tokens,
-        num_seqs,
-        config,
-    )
-    return stats_and_grad_(logits, tokens, x.config.temperature, x, out)
-
-
-@torch.library.custom_op("fastrl::policy_loss_grad", mutates_args=())
-def policy_loss_grad(
-    logits: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    rollout_logp: Tensor | None,
-    mask: Tensor,
-    num_tokens: Tensor | None,
-    num_seqs: Tensor | None,
-    config: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy) fp32 (B, T) and dloss/dlogits (B, T, V, logits' dtype) of the policy loss
-    of SPEC 1-5 (`config` from `config_key`), all in the forward."""
-    _check_v_contiguous(logits)
-    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    logp, entropy = _policy_grad_into(
-        logits,
-        tokens,
-        advantages,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        mask,
-        num_tokens,
-        num_seqs,
-        config,
-        out,
-    )
-    return logp, entropy, out
-
-
-@policy_loss_grad.register_fake
-def _(
-    logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, config
-):
+def _stats_fake(logits, n: int):
     B, T, _ = logits.shape
-    stats = [logits.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
-    return (*stats, torch.empty(logits.shape, dtype=logits.dtype, device=logits.device))
+    return [logits.new_empty((B, T), dtype=torch.float32) for _ in range(n)]
 
 
-@torch.library.custom_op("fastrl::policy_loss_grad_", mutates_args=("logits",))
-def policy_loss_grad_(
-    logits: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    rollout_logp: Tensor | None,
-    mask: Tensor,
-    num_tokens: Tensor | None,
-    num_seqs: Tensor | None,
-    config: str,
-) -> tuple[Tensor, Tensor]:
-    """Like policy_loss_grad, but the gradient overwrites `logits` (inplace=True)."""
-    _check_v_contiguous(logits)
-    return _policy_grad_into(
-        logits,
-        tokens,
-        advantages,
-        old_logp,
-        ref_logp,
-        rollout_logp,
-        mask,
-        num_tokens,
-        num_seqs,
-        config,
-        logits,
-    )
+def _define_policy_op(inplace: bool):
+    """fastrl::policy_loss_grad (logits -> (logp, entropy, grad)) or, `inplace`,
+    fastrl::policy_loss_grad_ (the gradient overwrites logits; -> (logp, entropy)): (logp,
+    entropy) fp32 (B, T) and dloss/dlogits (B, T, V, logits' dtype) of the policy loss of SPEC 1-5,
+    all in the forward."""
+    name = "fastrl::policy_loss_grad" + ("_" if inplace else "")
+    logits_arg = "Tensor(a!) logits" if inplace else "Tensor logits"
+    outs = "(Tensor, Tensor)" if inplace else "(Tensor, Tensor, Tensor)"
+    torch.library.define(name, f"({logits_arg}, {POLICY_ARGS_SCHEMA}) -> {outs}")
+
+    @torch.library.impl(name, "default")
+    def impl(logits, *args):
+        _check_v_contiguous(logits)
+        x = policy_inputs_from_op(logits, args)
+        out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
+                                                 device=logits.device)  # fmt: skip
+        logp, entropy = stats_and_grad_(logits, x.tokens, x.config.temperature, x, out)
+        return (logp, entropy) if inplace else (logp, entropy, out)
+
+    @torch.library.register_fake(name)
+    def fake(logits, *args):
+        if inplace:
+            return tuple(_stats_fake(logits, 2))
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        return (*_stats_fake(logits, 2), grad)
+
+    return getattr(torch.ops.fastrl, name.split("::")[1]).default
 
 
-@policy_loss_grad_.register_fake
-def _(
-    logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, config
-):
-    B, T, _ = logits.shape
-    return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(2))
+policy_loss_grad = _define_policy_op(inplace=False)
+policy_loss_grad_ = _define_policy_op(inplace=True)
 
 
 # --------------------------------------------------------------------------- scale and attach
