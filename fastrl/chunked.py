@@ -5,8 +5,12 @@ temporary), its element-wise passes on cache-sized blocks of `sub_rows(V)` rows 
 its transient memory is bounded and independent of N and it never makes an fp32 copy of all the
 logits. `fastrl.ops` dispatches here; the Triton backend is `fastrl.kernels`.
 
-  token_stats(logits, tokens, tau)            -> fp32 (B, T) logp, H, lse     (one exp per logit)
-  token_stats_grad_into(logits, ..., g, h, tau, out)   SPEC 6's dL/dz from (g, h) into `out`
+The backend interface (the same names as the Triton launchers in fastrl/kernels/policy_loss.py;
+`fastrl.ops.backend(device)` picks one of the two modules):
+  row_stats(logits, tokens, tau)              -> fp32 (B, T) logp, H, lse     (one exp per logit)
+  row_grad_(logits, tokens, lse, H, g, h, tau, out)    SPEC 6's dL/dz from (g, h) into `out`
+  scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
+and what only this backend has (the one-exp gradient-in-the-forward paths):
   one_pass_(logits, tokens, tau, rows_grad_fn, out)    statistics and dL/dz in ONE pass, for a
                                                        token-separable loss (g, h per chunk)
   stats_e(...) then finish_(...)              the same in two passes (sequence-level options)
@@ -144,7 +148,7 @@ def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
     return x[idx // T, idx % T]  # (R, V) copy in x's dtype: chunk-sized
 
 
-def token_stats(logits: Tensor, tokens: Tensor, temperature: float):
+def row_stats(logits: Tensor, tokens: Tensor, temperature: float):
     """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
     (one exp per logit; H from max-shifted values). Out-of-range tokens give logp = NaN (no
     device-side assert); a NaN or +inf logit makes its row's logp, H and lse NaN."""
@@ -159,7 +163,7 @@ def _scaled(rows: Tensor, temperature: float) -> Tensor:
     return rows.float() / temperature
 
 
-def token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
+def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself.
 
     dL/dz = (1/tau) [g (1[j=y] - p) - h p (log p + H)] = (1/tau) [g 1[j=y] - p (g + h (log p + H))]
@@ -196,6 +200,15 @@ def token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
 
     for_chunks(B * T, V, logits.device, body)
     return out
+
+
+def scale_(grad: Tensor, scale: Tensor) -> Tensor:
+    """grad *= scale in place; no pass over `grad` when scale is exactly 1 (the usual
+    loss.backward()). A CPU scale is read (no device sync); on another device the multiply runs
+    unconditionally (reading it would sync)."""
+    if grad.numel() == 0 or (scale.device.type == "cpu" and float(scale) == 1.0):
+        return grad
+    return grad.mul_(scale.to(grad.dtype))
 
 
 def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:

@@ -56,6 +56,16 @@ from . import chunked
 BACKENDS = ("auto", "triton", "torch")
 
 
+def backend(device: torch.device):
+    """The backend module of `device`: `fastrl.kernels.policy_loss` (Triton) or `fastrl.chunked`
+    (torch). Both expose row_stats, row_grad_ and scale_ (see fastrl.chunked)."""
+    if backend_for(device) == "triton":
+        from .kernels import policy_loss as triton_backend
+
+        return triton_backend
+    return chunked
+
+
 def backend_for(device: torch.device) -> str:
     """The backend a call on `device` uses: "triton" or "torch" (reads FASTRL_BACKEND)."""
     backend = os.environ.get("FASTRL_BACKEND", "auto").strip().lower() or "auto"
@@ -90,12 +100,7 @@ def token_stats(
 
 def _token_stats_impl(logits, tokens, temperature):
     _check_v_contiguous(logits)
-    temperature = float(temperature)
-    if backend_for(logits.device) == "triton":
-        from .kernels.policy_loss import token_stats_fwd
-
-        return token_stats_fwd(logits, tokens, temperature)
-    return chunked.token_stats(logits, tokens, temperature)
+    return backend(logits.device).row_stats(logits, tokens, float(temperature))
 
 
 @token_stats.register_fake
@@ -105,12 +110,9 @@ def _(logits, tokens, temperature):
 
 
 def _grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
-    temperature = float(temperature)
-    if backend_for(logits.device) == "triton":
-        from .kernels.policy_loss import token_stats_bwd
-
-        return token_stats_bwd(logits, tokens, lse, entropy, g, h, temperature, out)
-    return chunked.token_stats_grad_into(logits, tokens, lse, entropy, g, h, temperature, out)
+    return backend(logits.device).row_grad_(
+        logits, tokens, lse, entropy, g, h, float(temperature), out
+    )
 
 
 @torch.library.custom_op("fastrl::token_stats_grad", mutates_args=())
@@ -295,12 +297,11 @@ def stats_and_grad_(
 
     temperature = float(temperature)
     grad_fn = lambda lp, ent: token_grads(lp, ent, x, weights)  # noqa: E731
-    if backend_for(logits.device) == "triton":
-        from .kernels.policy_loss import token_stats_bwd, token_stats_fwd
-
-        logp, entropy, lse = token_stats_fwd(logits, tokens, temperature)
+    if backend_for(logits.device) == "triton":  # stats kernel, O(N) autograd, gradient kernel
+        kernels = backend(logits.device)
+        logp, entropy, lse = kernels.row_stats(logits, tokens, temperature)
         g, h = grad_fn(logp, entropy)
-        token_stats_bwd(logits, tokens, lse, entropy, g, h, temperature, out)
+        kernels.row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
         return logp, entropy
     if is_token_separable(x.config):
         if weights is None:
@@ -428,16 +429,8 @@ def scale_grad_(grad: Tensor, scale: Tensor) -> None:
     """grad *= scale in place; no pass over `grad` when scale is exactly 1 (the usual
     loss.backward()). CPU: the value is read (a CPU tensor: no device sync). Triton: each program
     reads the scale on the device and returns at once when it is 1 (no host sync)."""
-    if grad.numel() == 0:
-        return
-    if backend_for(grad.device) == "triton":
-        from .kernels.policy_loss import scale_grad
-
-        scale_grad(grad, scale)
-        return
-    if scale.device.type == "cpu" and float(scale) == 1.0:
-        return
-    grad.mul_(scale.to(grad.dtype))
+    if grad.numel():
+        backend(grad.device).scale_(grad, scale)
 
 
 @scale_grad_.register_fake
