@@ -308,8 +308,9 @@ class TrainConfig:
     tiny random-init Qwen2 with the packaged character tokenizer (nothing is downloaded)."""
 
     task: str = "add"
-    """A built-in task (`add`: 2-digit addition, exact answer; `add_format`: the same with a
-    format + answer reward; `arith`: addition and subtraction) or a .jsonl file of
+    """A built-in task (`add`: the sum of two numbers from 0 to 49, `47+38=` -> `85`, exact
+    answer; `add_format`: the same with a format + answer reward; `arith`: addition and
+    subtraction of numbers from 0 to 99; `add_small`: single digits) or a .jsonl file of
     {"prompt", "answer"} lines."""
 
     reward: str | None = None
@@ -333,10 +334,15 @@ class TrainConfig:
 
     reward_timeout: float = 5.0
     """Seconds one reward call may take; a longer call scores 0 and is counted as a timeout.
-    Calls run in a worker thread, and a hung thread cannot be killed: it is left running in the
-    background, and more than 4 such calls still running at once stop the run with an error. 0:
-    no limit, calls run in the main thread (for reward functions that need it, e.g. ones that
-    use signals)."""
+    A module:function reward runs in a worker process (its module imported again there), which
+    is killed and restarted when a call runs past the limit: any call is stopped, also one that
+    holds the GIL (a pure-Python loop, a catastrophically backtracking regex); 5 timeouts in a
+    row stop the run with an error. The built-in rewards, and from Python a reward callable
+    that another process cannot import by name (a lambda, a closure, a function of __main__),
+    run in a thread instead, where a call that holds the GIL cannot be stopped (it stalls the
+    run) and a timed-out call keeps running in the background (more than 4 at once stop the
+    run). 0: no limit, calls run in the main thread (for reward functions that need it, e.g.
+    ones that use signals)."""
 
     steps: int = 100
     """Number of RL steps (one rollout batch each, then `epochs` passes of updates)."""
@@ -490,6 +496,11 @@ class TrainConfig:
     checkpoint holds a Hugging Face model directory, OUT/checkpoints/step-N/hf (save_pretrained
     of the policy and tokenizer), that AutoModelForCausalLM.from_pretrained and --model load."""
 
+    save_total_limit: int | None = 2
+    """How many checkpoints to keep under OUT/checkpoints, the newest included (TRL's / HF
+    TrainingArguments' name): after each save the oldest are deleted, each deletion printed.
+    None or 0: keep every checkpoint."""
+
     max_time: float = 0.0
     """Stop after this many seconds of RL (checked after each step; evaluates and saves as at
     the last step). 0: no limit, run --steps steps."""
@@ -580,6 +591,12 @@ class TrainConfig:
             raise bad("temperature", "a number > 0")
         if not _is_real(self.reward_timeout) or not 0 <= self.reward_timeout < math.inf:
             raise bad("reward_timeout", "a finite number of seconds >= 0 (0: no limit)")
+        if self.save_total_limit is not None and (
+            not isinstance(self.save_total_limit, int)
+            or isinstance(self.save_total_limit, bool)
+            or self.save_total_limit < 0
+        ):
+            raise bad("save_total_limit", "None or an integer >= 0 (None / 0: keep every one)")
         if self.kl_coef is not None and (not _is_real(self.kl_coef) or self.kl_coef < 0):
             raise bad("kl_coef", "None or a number >= 0")
         if self.algo == "dapo" and self.kl_coef:

@@ -148,12 +148,26 @@ class JsonlTask(Task):
 
 
 def load_jsonl(path: str) -> list[Example]:
-    """Examples from a JSONL file; a malformed line raises ValueError with its line number."""
-    if not os.path.isfile(path):
+    """Examples from a JSONL file (UTF-8); a malformed line (not UTF-8, not JSON, no prompt or an
+    empty one, no answer) raises ValueError naming the file and the line number."""
+    if not os.path.exists(path):
         raise ValueError(f"task file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(f"task file {path!r} is not a file")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"task file {path!r} cannot be read: {e.strerror}") from e
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM is fine
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at "
+                    f"column {e.start + 1}); save the file as UTF-8"
+                ) from e
             if not line.strip():
                 continue
             try:
@@ -164,6 +178,8 @@ def load_jsonl(path: str) -> list[Example]:
                 raise ValueError(
                     f'{path}:{lineno}: expected an object {{"prompt": str, "answer": ...}}'
                 )
+            if not obj["prompt"]:
+                raise ValueError(f'{path}:{lineno}: empty "prompt" (expected a non-empty string)')
             if "answer" not in obj or obj["answer"] is None:
                 raise ValueError(f'{path}:{lineno}: missing "answer"')
             examples.append(Example(obj["prompt"], str(obj["answer"])))

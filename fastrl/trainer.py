@@ -20,8 +20,13 @@ a fixed eval set and identical on every rank.
 
 Failing loudly: a non-finite loss, value loss or gradient norm raises `TrainingError` naming the
 step before that step is saved; `--resume` falls back from a corrupt checkpoint to the newest
-intact one; an `--out` that already holds a run is refused unless `force`; SystemExit /
-KeyboardInterrupt from the reward function stop the run with a checkpoint and a `RewardError`.
+intact one; an `--out` that already holds a run (or cannot be created) is refused before the
+model loads, unless `force`; SystemExit / KeyboardInterrupt from the reward function stop the run
+with a checkpoint and a `RewardError`.
+
+Interrupts: during the RL steps, SIGINT (Ctrl-C) or SIGTERM lets the current step finish, saves a
+checkpoint of it and raises `Interrupted` (every rank stops at the same step); a second signal, or
+one before the first RL step, aborts at once (`Aborted`, a KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import copy
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 
 import numpy as np
@@ -68,6 +75,37 @@ TOTALS = (
 )
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Signals that stop a run after the current step, with a checkpoint."""
+
+REPEAT_WINDOW_S = 1.0
+"""A second stop signal within this many seconds of the first is the same interrupt delivered
+twice (the terminal and torchrun both forward Ctrl-C), not a request to abort."""
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM stopped the run after finishing step `step`, which is saved in
+    `checkpoint` (None on ranks other than 0). `exit_code` is 128 + the signal number (130 for
+    SIGINT, 143 for SIGTERM), what `fastrl train` exits with."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+        super().__init__(
+            f"{signal.Signals(signum).name}: stopped after step {step} (checkpoint {checkpoint})"
+        )
+
+
+class Aborted(KeyboardInterrupt):
+    """A stop signal that could not wait for the step to finish: a second one, or one before
+    the first RL step (warm-up, setup, step-0 eval). Nothing more is saved; `exit_code` is
+    128 + the signal number."""
+
+    def __init__(self, signum: int, where: str):
+        self.signum, self.exit_code, self.where = signum, 128 + signum, where
+        super().__init__(f"{signal.Signals(signum).name} {where}")
+
+
 class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
     """Build everything from a TrainConfig (validating first), then `train()`."""
 
@@ -96,6 +134,8 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
             )
         if cfg.report_to == "tensorboard":
             tensorboard_writer_class()  # a clear error now, not after the warm-up
+        self._check_out_creatable()  # --out: checked before anything is loaded
+        self.check_out_dir()
         self.device = self._pick_device(cfg.device)
         self.compute_dtype = (
             ("bf16" if self.device.type == "cuda" else "fp32") if cfg.dtype == "auto" else cfg.dtype
@@ -127,6 +167,34 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
         # path on the (FSDP-gathered) head weight, never the (n, T, V) logits
         self.fused_lm_head = cfg.fsdp and lm_head_fusable(self.policy, cfg.top_k, cfg.top_p)
         self.step = 0
+        self.first_step = 0  # the step the RL loop of this call started from (after a resume)
+        self.steps_run = 0  # RL steps this call ran
+        self.wall_time = 0.0
+        self._in_loop = False  # a stop signal then waits for the step to finish
+        self._signal = self._signal_time = None  # the first stop signal received
+
+    def _check_out_creatable(self) -> None:
+        """ValueError unless --out is a writable directory or can be created (its nearest
+        existing ancestor is a writable directory)."""
+        out = self.cfg.out
+        path = os.path.abspath(out)
+        if os.path.exists(path):
+            if not os.path.isdir(path):
+                raise ValueError(f"--out {out!r} exists and is not a directory")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ValueError(f"--out {out!r} is not writable (no permission to write in it)")
+            return
+        parent = os.path.dirname(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(
+                f"--out {out!r} cannot be created: {parent!r} is a file, not a directory"
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"--out {out!r} cannot be created: no permission to write in {parent!r}"
+            )
 
     def setup(self):
         """Warm-up (fresh runs), reference / critic copies, optimizer, DDP / FSDP2; or resume."""
@@ -162,13 +230,23 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
 
     # ------------------------------------------------------------------ main loop
     def train(self) -> list[dict]:
-        """Run (or continue) the whole training; returns the metric records of this call."""
+        """Run (or continue) the whole training; returns the metric records of this call.
+        SIGINT / SIGTERM during the RL steps: the step finishes, is saved, and `Interrupted` is
+        raised; see `_stop_signals`."""
         cfg = self.cfg
-        is_main = self.rank == 0
         self.check_out_dir()
         if self.world > 1:  # every rank has checked --out before rank 0 writes into it
             torch.distributed.barrier()
-        os.makedirs(cfg.out, exist_ok=True)
+        try:
+            os.makedirs(cfg.out, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {cfg.out!r} cannot be created: {e.strerror}") from e
+        with self._stop_signals():
+            return self._train()
+
+    def _train(self) -> list[dict]:
+        cfg = self.cfg
+        is_main = self.rank == 0
         self.setup()
         metrics_path = os.path.join(cfg.out, "metrics.jsonl")
         if is_main:
@@ -206,7 +284,55 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
                 plot_curves(metrics_path, os.path.join(cfg.out, "curves.png"), self._title())
             except Exception as e:  # a plot never fails a run
                 self.log(f"could not write curves.png: {e}")
+        if self._stopped:  # SIGINT / SIGTERM: the step is finished and saved
+            raise Interrupted(self._stopped, self.step, self.last_ckpt)
         return emit.records
+
+    # ------------------------------------------------------------------ SIGINT / SIGTERM
+    @contextlib.contextmanager
+    def _stop_signals(self):
+        """SIGINT / SIGTERM handlers while `train` runs (main thread only; the previous
+        handlers come back afterwards): in the RL loop the first signal asks the loop to stop
+        after the current step (`_stop_requested`); a second one, or one outside the loop,
+        raises Aborted at once."""
+        self._signal = self._signal_time = None
+        self._stopped = 0  # the stop signal the loop stopped for (every rank alike)
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            now = time.monotonic()
+            if self._signal is not None and now - self._signal_time < REPEAT_WINDOW_S:
+                return  # the same interrupt, delivered twice
+            if self._signal is not None or not self._in_loop:
+                where = f"in step {self.step + 1}" if self._in_loop else "before the RL steps"
+                raise Aborted(signum, where)
+            self._signal, self._signal_time = signum, now
+            if self.rank == 0:  # os.write: never re-enters a Python stream being written
+                again = "press Ctrl-C again" if signum == signal.SIGINT else "send it again"
+                os.write(
+                    2,
+                    f"\n{signal.Signals(signum).name} received: finishing the current step, "
+                    f"then saving a checkpoint and stopping ({again} to abort at once)\n".encode(),
+                )
+
+        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                if h is not None:  # None: a handler not installed from Python; leave ours
+                    signal.signal(s, h)
+
+    def _stop_requested(self) -> int:
+        """The stop signal received by any rank (0: none); every rank gets the same answer."""
+        sig = self._signal or 0
+        if self.world > 1:
+            t = torch.tensor([sig], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            sig = int(t.item())
+        return sig
 
     @property
     def model_dir(self) -> str | None:
@@ -221,9 +347,18 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
 
     def _loop(self, emit) -> None:
         """The RL steps of `train` (records through `emit`)."""
+        t_start = self._t_start = time.perf_counter()
+        self.first_step, self.steps_run = self.step, 0
+        self._in_loop = True
+        try:
+            self._steps(emit, t_start)
+        finally:
+            self._in_loop = False
+            self.wall_time = time.perf_counter() - t_start
+
+    def _steps(self, emit, t_start: float) -> None:
         cfg = self.cfg
         seen = nonzero = steps = 0  # rewards of this call (all ranks), for the final warning
-        t_start = self._t_start = time.perf_counter()
         while self.step < cfg.steps:
             t0 = time.perf_counter()
             snapshot = self._rng_snapshot() if self.world == 1 else None
@@ -246,20 +381,41 @@ class Trainer(BuildMixin, RolloutMixin, UpdateMixin, StateMixin):
                     self._stop_for_reward(e, f"eval after step {self.step}")
             emit(rec)
             seen, nonzero, steps = seen + int(tot["n"]), nonzero + int(tot["nonzero"]), steps + 1
+            self.steps_run = steps
             self._show(rec)
-            if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+            saved = (cfg.save_every and self.step % cfg.save_every == 0) or last
+            if saved:
                 self.save()
+            stop = 0 if last else self._stop_requested()
+            if stop:  # SIGINT / SIGTERM: this step was the last one
+                if not saved:
+                    self.save()
+                self._stopped = stop
+                break
             if out_of_time:
                 self._warn(f"--max-time {cfg.max_time:g}s reached after step {self.step}")
                 break
-        self.wall_time = time.perf_counter() - t_start
         if seen and not nonzero:
-            self._warn(
-                f"warning: every reward of this run was 0 ({seen} samples over {steps} "
-                f"step{'s' if steps > 1 else ''}): "
-                "RL had no learning signal; check --task / --reward (and the reward errors "
-                "above, if any)"
+            self._warn(self._all_zero_hint(seen, steps))
+
+    def _all_zero_hint(self, seen: int, steps: int) -> str:
+        """The warning of a run whose every reward was 0, with what to try."""
+        text = (
+            f"warning: every reward of this run was 0 ({seen} samples over {steps} "
+            f"step{'s' if steps > 1 else ''}): RL had no learning signal; check --task / "
+            "--reward (and the reward errors above, if any)"
+        )
+        if self.sft_steps == 0:
+            what = (
+                "the embedded model is random-init and had no warm-up"
+                if self.cfg.model is None
+                else "a model that never produces a right answer (e.g. a random-init one)"
             )
+            text += (
+                f"; {what}: give it a supervised warm-up on the task first with --sft-steps N "
+                "(the embedded default uses 1000)"
+            )
+        return text
 
     def _elapsed_max(self, t_start: float) -> float:
         """Seconds since `t_start`, the largest over ranks (every rank stops alike)."""
@@ -365,7 +521,9 @@ def run(cfg: TrainConfig, log=print) -> Trainer:
 
 
 __all__ = [
+    "Aborted",
     "Batch",
+    "Interrupted",
     "Trainer",
     "TrainingError",
     "ValueModel",

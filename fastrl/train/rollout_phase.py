@@ -20,7 +20,15 @@ class RolloutMixin:
 
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, examples: list[Example]) -> list[list[int]]:
-        return [self.tok(e.prompt).input_ids for e in examples]
+        """Token ids of each prompt; ValueError for a prompt the tokenizer makes no token of."""
+        ids = [self.tok(e.prompt).input_ids for e in examples]
+        for e, row in zip(examples, ids):
+            if not row:
+                raise ValueError(
+                    f"the prompt {e.prompt!r} encodes to no tokens with this tokenizer: every "
+                    "prompt needs at least one token"
+                )
+        return ids
 
     def decode(self, r: Rollout) -> list[str]:
         ids = r.completion_ids.tolist()
