@@ -166,37 +166,33 @@ def _scaled(rows: Tensor, temperature: float) -> Tensor:
 def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself.
 
-    dL/dz = (1/tau) [g (1[j=y] - p) - h p (log p + H)] = (1/tau) [g 1[j=y] - p (g + h (log p + H))]
-    computed per chunk as  d = p * (a log p + c),  a = -h / tau,  c = -(g + h H) / tau,  then
-    d[y] += g / tau  (two (R, V) fp32 temporaries). The fused losses' `_chunk_finish_` computes the
-    same from e in cache-sized blocks, with the entry at y rounded differently (g (1 - p_y)); this
-    backward keeps its own arithmetic because the trainer's supervised warm-up, which runs through
-    it, is sensitive to that last-bit difference (tests/test_trainer.py::test_algorithm_learns)."""
+    The same finishing pass as the fused losses (`_chunk_finish_`, one implementation of the
+    gradient): per chunk e = exp(z' - lse) = p in cache-sized blocks (written where the chunk's
+    fp32 values live: `out` itself when it is fp32), then dL/dz = p (a log p + c) with
+    a = -h / tau, c = -(g + h H) / tau, and the exact entry at y, tau^-1 [g (1 - p_y) -
+    h p_y (logp_y + H)], with logp_y = z'_y - lse read before the row is overwritten."""
     B, T, V = logits.shape
-    inv_temp = 1.0 / temperature
     y_all = tokens.reshape(-1).long()
     lse, entropy, g = lse.reshape(-1), entropy.reshape(-1), g.reshape(-1).float()
     h = None if h is None else h.reshape(-1).float()
+    log_s = torch.zeros_like(lse)  # e is p itself: s = 1
 
     def body(r0, r1, work):
-        g_r = g[r0:r1, None]
-        log_p = torch.sub(_scaled(_rows(logits, r0, r1), temperature), lse[r0:r1, None])
-        p = log_p.exp()  # (R, V)
-        if h is None:
-            d = p.mul_(g_r * -inv_temp)
-        else:
-            h_r = h[r0:r1, None]
-            log_p.clamp_(min=-1e30)  # -inf logit: p = 0 and p * (a log p + c) must stay 0
-            coef = log_p.mul_(h_r * -inv_temp).add_((g_r + h_r * entropy[r0:r1, None]) * -inv_temp)
-            view = _view_rows(out, r0, r1)  # an fp32 view of `out`: write straight into it
-            direct = view is not None and view.dtype == torch.float32
-            d = torch.mul(p, coef, out=view) if direct else p.mul_(coef)
-        del log_p
-        y = y_all[r0:r1]
+        rows, y = _rows(logits, r0, r1), y_all[r0:r1]
         y_ok = (y >= 0) & (y < V)
-        d.scatter_add_(1, torch.where(y_ok, y, 0)[:, None], torch.where(y_ok, g_r * inv_temp, 0.0))
-        _store_rows(out, r0, r1, d)
-        del d, p
+        z_y = rows.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1).float() / temperature
+        logp = torch.where(y_ok, z_y - lse[r0:r1], float("nan"))  # (R,)
+        view, e = work.target(out, r0, r1)
+        for a in range(0, r1 - r0, work.S):  # e = exp(z' - lse), cache-sized blocks
+            b = min(r1 - r0, a + work.S)
+            u = work.u(b - a).copy_(rows[a:b])  # (before e, which may be these very rows)
+            if temperature != 1.0:
+                u.div_(temperature)
+            torch.exp(u.sub_(lse[r0 + a : r0 + b, None]), out=e[a:b])
+        stats = [None if t is None else t[r0:r1] for t in (entropy, log_s, g, h)]
+        _chunk_finish_(e, y, logp, *stats, temperature, work, view)
+        if view is None:
+            _store_rows(out, r0, r1, e)
 
     for_chunks(B * T, V, logits.device, body)
     return out

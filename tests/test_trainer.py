@@ -211,9 +211,11 @@ def test_algorithm_learns(tmp_path, algo, steps):
         if "eval_accuracy" in r
     ]
     # the warm-up (a teacher that is off by one 75% of the time) leaves greedy accuracy low;
-    # RL on the exact-answer reward must raise it well above
-    assert evals[0] <= 0.3, evals
-    assert evals[-1] >= 0.7, evals
+    # RL on the exact-answer reward must raise it well above. Where the warm-up ends is chaotic
+    # in the last bit of its gradients (seed 0: 0.02 or 0.40 for two roundings of the same
+    # backward), so the precondition has a margin and the claim is the gain RL adds.
+    assert evals[0] <= 0.5, evals
+    assert evals[-1] >= 0.7 and evals[-1] - evals[0] >= 0.4, evals
 
 
 # ----------------------------------------------------------------------- tasks, rewards, dapo
