@@ -14,9 +14,13 @@ tl.where, so a NaN / inf reward or value at a masked token never reaches the res
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from .launch import LaunchConfig, Ptr, config, next_power_of_2
 
 
 @triton.jit
@@ -44,6 +48,8 @@ def _gae_fwd_kernel(
     lam,
     BLOCK_T: tl.constexpr,
 ):
+    # one program per sequence (grid (B,)): blocks of BLOCK_T steps from the last to the first,
+    # each a reverse associative scan of the affine maps above, carrying (next_v, last) in.
     row = tl.program_id(0).to(tl.int64)
     r_row = rewards_ptr + row * stride_rb
     v_row = values_ptr + row * stride_vb
@@ -84,6 +90,28 @@ def _gae_fwd_kernel(
         last = tl.sum(tl.where(first, adv, 0.0))
 
 
+@functools.lru_cache(maxsize=64)
+def gae_scan_configs(
+    B: int,
+    T: int,
+    dtype: torch.dtype = torch.float32,
+    block_t: int | None = None,
+    *,
+    values_dtype: torch.dtype | None = None,
+) -> tuple[LaunchConfig, ...]:
+    """The launch of `gae_scan` on B sequences of T steps, rewards of `dtype` and values of
+    `values_dtype` (default: `dtype`); `block_t` as in gae_scan. Example arguments: every
+    (B, T) tensor contiguous."""
+    block = block_t or min(1024, max(16, next_power_of_2(T)))
+    ptrs = {
+        "rewards_ptr": Ptr(dtype), "values_ptr": Ptr(values_dtype or dtype),
+        "mask_ptr": Ptr(torch.float32), "adv_ptr": Ptr(torch.float32),
+    }  # fmt: skip
+    strides = {f"stride_{t}{d}": T if d == "b" else 1 for t in "rvma" for d in "bt"}
+    args = {**ptrs, "T": T, **strides, "gamma": 1.0, "lam": 1.0}
+    return (config(_gae_fwd_kernel, (B,), 4, args, BLOCK_T=block),)
+
+
 def gae_scan(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -101,14 +129,13 @@ def gae_scan(
     adv = torch.empty(B, T, dtype=torch.float32, device=rewards.device)
     if B == 0 or T == 0:
         return adv
-    BLOCK_T = block_t or min(1024, max(16, triton.next_power_of_2(T)))
-    _gae_fwd_kernel[(B,)](
+    (cfg,) = gae_scan_configs(B, T, rewards.dtype, block_t, values_dtype=values.dtype)
+    cfg(
         rewards, values, mask, adv, T,
         rewards.stride(0), rewards.stride(1),
         values.stride(0), values.stride(1),
         mask.stride(0), mask.stride(1),
         adv.stride(0), adv.stride(1),
         float(gamma), float(lam),
-        BLOCK_T=BLOCK_T,
     )  # fmt: skip
     return adv

@@ -5,7 +5,8 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
 
 * `_token_stats_fwd_kernel` (one program per row) reads the row ONCE, in BLOCK_V chunks, with an
   online max / sum-exp / sum(exp * (z' - m)) (max-shifted, so H has no cancellation at large
-  logit offsets or low temperature) and writes lse, logp and H (fp32, one value per row).
+  logit offsets or low temperature; softmax.py) and writes lse, logp and H (fp32, one value per
+  row).
 * split-V (`_token_stats_split_fwd_kernel` + `_token_stats_merge_fwd_kernel`): when there are few
   rows and a long vocabulary, SPLITS programs per row each reduce one slice of it to partial
   (max, sum-exp, sum exp * shift) and a merge kernel combines them exactly, so a small batch
@@ -15,6 +16,7 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
   with g = dL/dlogp and h = dL/dH of that row (computed by autograd from the O(N) per-token
   terms). A row with g = h = 0 (a masked token) writes zeros without reading its logits.
+* `_scale_grad_kernel`: grad *= the upstream gradient, skipped on the device when it is 1.
 
 So the forward + backward of the loss reads the logits twice and writes the gradient once; the
 per-token terms in between are O(N) torch math (fastrl/losses.py).
@@ -26,14 +28,31 @@ y >= V) gives logp = NaN for that row (never a silently wrong number). A -inf lo
 vocabulary entry) has p = 0 and contributes 0 to H and to the gradient (p log p -> 0); a NaN or
 +inf logit makes lse, logp and H of its row NaN (so the loss is NaN: never hidden).
 
-Launchers only below; autograd and backend dispatch live in fastrl/ops.py.
+Launchers below the kernels: `row_stats`, `row_grad_`, `scale_` (the backend-interface names the
+CPU backend uses too), each running the LaunchConfigs of its `*_configs` function; autograd and
+backend dispatch live in fastrl/ops.py.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from .launch import LaunchConfig, Ptr, cdiv, config, next_power_of_2
+from .softmax import (
+    _SPLIT_SM_COUNT,
+    _lse_finish,
+    _lse_init,
+    _lse_merge_partials,
+    _lse_store_partials,
+    _lse_update,
+    _merge_config,
+    _sm_count,
+    _split_config,
+)
 
 
 @triton.jit
@@ -65,48 +84,17 @@ def _token_stats_fwd_kernel(
 
 
 @triton.jit
-def _lse_merge(m, s, w, part_m, part_s, part_w):
-    # Log-sum-exp merge of a block of partial statistics into the running ones (scalars):
-    #   running (m, s, w): s = sum exp(z' - m), w = sum exp(z' - m) * (z' - m) over the terms seen;
-    #   part_* (BLOCK,) fp32: the same statistics of disjoint sets of terms (a single logit z'_j
-    #   is the partial (z'_j, 1, 0)); part_m = -inf is an empty partial (contributes 0).
-    # With m_new = max(m, max part_m) and a_k = exp(m_k - m_new) (0 for an empty set):
-    #   s <- sum_k a_k s_k,   w <- sum_k a_k (w_k + s_k (m_k - m_new))
-    # Every term of w has the sign of (z' - m_new) <= 0: no cancellation. A +inf partial max
-    # gives inf - inf = NaN (a +inf logit makes its row NaN); NaN partials are handled by callers.
-    m_new = tl.maximum(m, tl.max(part_m, axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep s = w = 0
-    old = m > float("-inf")
-    d = tl.where(old, m - m_safe, 0.0)
-    a = tl.where(old, tl.exp(d), 0.0)
-    w = a * (w + s * d)
-    s = a * s
-    live = part_m > float("-inf")
-    part_d = tl.where(live, part_m - m_safe, 0.0)
-    part_a = tl.where(live, tl.exp(part_d), 0.0)
-    s += tl.sum(part_a * part_s, axis=0)
-    w += tl.sum(part_a * (part_w + part_s * part_d), axis=0)
-    return m_new, s, w
-
-
-@triton.jit
 def _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V: tl.constexpr):
     # Online statistics of z'_j = z_j / tau over the columns lo <= j < hi of one row, read in
     # BLOCK_V chunks: (m, s, w, n_nan) with m = max z', s = sum exp(z' - m),
     # w = sum exp(z' - m) (z' - m) (-inf logits contribute 0) and n_nan the number of NaN logits
-    # (counted, then left out of m, s, w: a NaN row is reported NaN by the caller, whatever the
-    # NaN semantics of max on the hardware).
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), dtype=tl.float32)
-    w = tl.zeros((), dtype=tl.float32)
-    n_nan = tl.zeros((), dtype=tl.int32)
+    # (counted, then left out of m, s, w: softmax._lse_update).
+    m, s, w, n_nan = _lse_init()
     cols = tl.arange(0, BLOCK_V)
     for start in range(lo, hi, BLOCK_V):
         offs = start + cols
         z = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_temp
-        is_nan = z != z
-        n_nan += tl.sum(is_nan.to(tl.int32), axis=0)
-        m, s, w = _lse_merge(m, s, w, tl.where(is_nan, float("-inf"), z), 1.0, 0.0)
+        m, s, w, n_nan, z = _lse_update(m, s, w, n_nan, z)
     return m, s, w, n_nan
 
 
@@ -117,10 +105,7 @@ def _token_stats_store(
     # From a row's merged (m, s, w, n_nan): lse = m + log s, H = log s - w / s and
     # logp = z'_y - lse = (z'_y - m) - log s (max-shifted: exact at large offsets; NaN for y
     # outside [0, V)); all three NaN when the row holds a NaN logit.
-    log_s = tl.log(s)
-    bad = n_nan > 0
-    lse = tl.where(bad, float("nan"), m + log_s)
-    entropy = tl.where(bad, float("nan"), log_s - w / s)
+    log_s, lse, entropy = _lse_finish(m, s, w, n_nan)
     y = tl.load(tokens_ptr + row).to(tl.int64)
     y_ok = (y >= 0) & (y < V)
     z_y = tl.load(row_ptr + y, mask=y_ok, other=0.0).to(tl.float32) * inv_temp
@@ -156,10 +141,7 @@ def _token_stats_split_fwd_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     m, s, w, n_nan = _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V)
-    out = row * SPLITS + split
-    tl.store(part_m_ptr + out, m)
-    tl.store(part_s_ptr + out, tl.where(n_nan > 0, float("nan"), s))
-    tl.store(part_w_ptr + out, w)
+    _lse_store_partials(part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + split, m, s, w, n_nan)
 
 
 @triton.jit
@@ -180,28 +162,19 @@ def _token_stats_merge_fwd_kernel(
     inv_temp,  # fp32 scalar, 1 / tau
     BLOCK_S: tl.constexpr,
 ):
-    # split-V stage 2, grid (B * T,): the log-sum-exp merge (_lse_merge) of a row's SPLITS
-    # partials, BLOCK_S at a time, then the outputs of _token_stats_fwd_kernel.
+    # split-V stage 2, grid (B * T,): the log-sum-exp merge (softmax._lse_merge_partials) of a
+    # row's SPLITS partials, BLOCK_S at a time, then the outputs of _token_stats_fwd_kernel.
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row - b * T
     row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), dtype=tl.float32)
-    w = tl.zeros((), dtype=tl.float32)
-    n_nan = tl.zeros((), dtype=tl.int32)
+    m, s, w, n_nan = _lse_init()
     ks = tl.arange(0, BLOCK_S)
     for start in range(0, SPLITS, BLOCK_S):
         k = start + ks
-        valid = k < SPLITS
-        part_m = tl.load(part_m_ptr + row * SPLITS + k, mask=valid, other=float("-inf"))
-        part_s = tl.load(part_s_ptr + row * SPLITS + k, mask=valid, other=0.0)
-        part_w = tl.load(part_w_ptr + row * SPLITS + k, mask=valid, other=0.0)
-        is_nan = part_s != part_s
-        n_nan += tl.sum(is_nan.to(tl.int32), axis=0)
-        part_m = tl.where(is_nan, float("-inf"), part_m)  # counted, then an empty partial
-        part_s = tl.where(is_nan, 0.0, part_s)
-        m, s, w = _lse_merge(m, s, w, part_m, part_s, part_w)
+        m, s, w, n_nan = _lse_merge_partials(
+            m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + k, k < SPLITS
+        )
     _token_stats_store(
         row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
     )
@@ -226,6 +199,8 @@ def _token_stats_bwd_kernel(
     HAS_GRAD_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    # one program per row (grid (B * T,)): dL/dz_j = (1/tau) [g (1[j = y] - p_j)
+    # - h p_j (log p_j + H)] with log p_j = z'_j - lse, BLOCK_V columns at a time.
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row - b * T
@@ -265,57 +240,125 @@ def _token_stats_bwd_kernel(
             tl.store(out_ptr + offs, d.to(grad_ptr.dtype.element_ty), mask=valid)
 
 
+# --------------------------------------------------------------------------- upstream scale
+@triton.jit
+def _scale_grad_kernel(
+    grad_ptr,  # (R, C) rows of a gradient, any dtype, stride over C is 1; scaled in place
+    scale_ptr,  # (1,) the upstream gradient dL_total / dloss (any float dtype)
+    C,
+    stride_grad_r,
+    BLOCK: tl.constexpr,
+):
+    # grid (R, cdiv(C, BLOCK)): grad *= scale. A scale of exactly 1 (loss.backward()) returns
+    # before touching the row: the only cost is the launch, and the host never reads the scale.
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ptrs = grad_ptr + row * stride_grad_r + offs
+        x = tl.load(ptrs, mask=offs < C, other=0.0).to(tl.float32)
+        tl.store(ptrs, (x * scale).to(grad_ptr.dtype.element_ty), mask=offs < C)
+
+
+# --------------------------------------------------------------------------- launch configurations
+_F32 = torch.float32
+_SCALE_BLOCK = 4096  # elements of a gradient row per _scale_grad_kernel program
+
+
 def _launch_config(V: int, elem_size: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of V elements: about 16 KB of logits per loop step.
 
     Heuristic, not autotuned (autotuning would re-run the in-place backward)."""
     max_block = 8192 if elem_size <= 2 else 4096
-    block = min(max(triton.next_power_of_2(V), 32), max_block)  # >= 32: no size-1 blocks
+    block = min(max(next_power_of_2(V), 32), max_block)  # >= 32: no size-1 blocks
     num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 4096 else 16
     return block, num_warps
 
 
-_SPLIT_SM_COUNT = 132  # SMs assumed off CUDA (the interpreter, tests): an H100 SXM
-_SPLIT_MIN_CHUNK = 8192  # never fewer logits than this per split-V program
-_SPLIT_WAVES = 4  # split-V aims at about this many programs per SM
+def _partials_aligned(N: int, splits: int) -> bool:
+    """Whether part[k] of an fp32 (3, N, splits) scratch starts on a 16-byte boundary."""
+    return (N * splits * 4) % 16 == 0
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (torch caches the properties: no sync)."""
-    if device.type != "cuda":
-        return _SPLIT_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def row_stats_configs(
+    N: int,
+    V: int,
+    dtype: torch.dtype,
+    device_sms: int = _SPLIT_SM_COUNT,
+    split_chunk: int | None = None,
+    *,
+    tokens_dtype: torch.dtype = torch.int64,
+) -> tuple[LaunchConfig, ...]:
+    """The launches of `row_stats` for N rows of V logits of `dtype` on a device with
+    `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (_split_config;
+    `split_chunk` forces it as in row_stats). Example arguments: logits (1, N, V) contiguous."""
+    block, _ = _launch_config(V, dtype.itemsize)
+    splits, chunk = _split_config(N, V, block, device_sms, split_chunk)  # not cached: tests spy
+    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk)
 
 
-def _split_config(
-    n_rows: int, V: int, block: int, device: torch.device, split_chunk: int | None = None
-) -> tuple[int, int]:
-    """(splits, chunk): how many programs share each row, each reducing `chunk` logits of it.
-
-    One program per row (splits = 1) leaves most SMs idle at decode time (N of 1-64 rows) with a
-    large V (up to 262144). Split V when there are fewer rows than 2 * SMs (132 SMs assumed off
-    CUDA) and V >= 2 * _SPLIT_MIN_CHUNK: splits = min(V / _SPLIT_MIN_CHUNK, _SPLIT_WAVES * SMs /
-    n_rows) (rounded up), chunk = V / splits rounded up to a multiple of `block` (whole BLOCK_V
-    steps). E.g. on 132 SMs N = 1, V = 262144 -> 32 splits of 8192; N = 64, V = 151936 (bf16)
-    -> 7 splits of 24576; N >= 264 -> one program per row.
-    `split_chunk` forces the choice (tests): 0 -> one program per row, k > 0 -> slices of k.
-    Not tuned on a GPU yet (none was available): the constants above are first guesses."""
-    if split_chunk is not None:
-        if split_chunk <= 0 or split_chunk >= V:
-            return 1, V
-        return triton.cdiv(V, split_chunk), split_chunk
-    sms = _sm_count(device)
-    if n_rows >= 2 * sms or V < 2 * _SPLIT_MIN_CHUNK:
-        return 1, V
-    splits = min(triton.cdiv(V, _SPLIT_MIN_CHUNK), triton.cdiv(_SPLIT_WAVES * sms, n_rows))
-    align = min(block, _SPLIT_MIN_CHUNK)  # whole BLOCK_V steps per slice
-    chunk = triton.cdiv(triton.cdiv(V, splits), align) * align
-    splits = triton.cdiv(V, chunk)
-    return (splits, chunk) if splits > 1 else (1, V)
+@functools.lru_cache(maxsize=256)
+def _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk) -> tuple[LaunchConfig, ...]:
+    block, num_warps = _launch_config(V, dtype.itemsize)
+    logits = {"logits_ptr": Ptr(dtype)}
+    shape = {"T": N, "V": V}
+    strides = {"stride_logits_b": N * V, "stride_logits_t": V, "inv_temp": 1.0}
+    stats = {"logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "lse_ptr": Ptr(_F32)}
+    tokens = {"tokens_ptr": Ptr(tokens_dtype)}
+    if splits == 1:
+        args = {**logits, **tokens, **stats, **shape, **strides}
+        return (config(_token_stats_fwd_kernel, (N,), num_warps, args, BLOCK_V=block),)
+    block, num_warps = _launch_config(min(chunk, block), dtype.itemsize)
+    aligned = _partials_aligned(N, splits)
+    parts = {f"part_{k}_ptr": Ptr(_F32, aligned or k == "m") for k in "msw"}
+    split_args = {**logits, **parts, **shape, "CHUNK": chunk, "SPLITS": splits, **strides}
+    block_s, warps_s = _merge_config(splits)
+    merge_args = {**logits, **tokens, **parts, **stats, **shape, "SPLITS": splits, **strides}
+    return (
+        config(_token_stats_split_fwd_kernel, (N, splits), num_warps, split_args, BLOCK_V=block),
+        config(_token_stats_merge_fwd_kernel, (N,), warps_s, merge_args, BLOCK_S=block_s),
+    )
 
 
-def token_stats_fwd(
+@functools.lru_cache(maxsize=256)
+def row_grad_configs(
+    N: int,
+    V: int,
+    dtype: torch.dtype,
+    has_grad_entropy: bool,
+    *,
+    tokens_dtype: torch.dtype = torch.int64,
+) -> tuple[LaunchConfig, ...]:
+    """The launch of `row_grad_` for N rows of V logits of `dtype` (the gradient in the same
+    dtype), with or without h = dL/dH. Example arguments: logits and out (1, N, V) contiguous."""
+    block, num_warps = _launch_config(V, dtype.itemsize)
+    args = {
+        "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "lse_ptr": Ptr(_F32),
+        "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32), "grad_entropy_ptr": Ptr(_F32),
+        "grad_ptr": Ptr(dtype), "T": N, "V": V, "stride_logits_b": N * V, "stride_logits_t": V,
+        "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0,
+    }  # fmt: skip
+    flag = bool(has_grad_entropy)
+    return (
+        config(
+            _token_stats_bwd_kernel, (N,), num_warps, args, HAS_GRAD_ENTROPY=flag, BLOCK_V=block
+        ),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def scale_configs(
+    R: int, C: int, dtype: torch.dtype, scale_dtype: torch.dtype = _F32
+) -> tuple[LaunchConfig, ...]:
+    """The launch of `scale_` on R rows of C elements of `dtype` (a contiguous (R, C) example)
+    scaled by a one-element `scale_dtype` tensor."""
+    args = {"grad_ptr": Ptr(dtype), "scale_ptr": Ptr(scale_dtype), "C": C, "stride_grad_r": C}
+    grid = (R, cdiv(C, _SCALE_BLOCK))
+    return (config(_scale_grad_kernel, grid, 4, args, BLOCK=_SCALE_BLOCK),)
+
+
+# --------------------------------------------------------------------------- launchers
+def row_stats(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     temperature: float,
@@ -336,34 +379,24 @@ def token_stats_fwd(
     N = B * T
     if N == 0:
         return logp, entropy, lse
-    block, num_warps = _launch_config(V, logits.element_size())
-    splits, chunk = _split_config(N, V, block, logits.device, split_chunk)
     tokens = tokens.contiguous()
+    cfgs = row_stats_configs(
+        N, V, logits.dtype, _sm_count(logits.device), split_chunk, tokens_dtype=tokens.dtype
+    )
     inv_temp = 1.0 / float(temperature)
-    if splits == 1:
-        _token_stats_fwd_kernel[(N,)](
-            logits, tokens, logp, entropy, lse, T, V,
-            logits.stride(0), logits.stride(1), inv_temp,
-            BLOCK_V=block, num_warps=num_warps,
-        )  # fmt: skip
+    strides = (logits.stride(0), logits.stride(1), inv_temp)
+    if len(cfgs) == 1:
+        cfgs[0](logits, tokens, logp, entropy, lse, T, V, *strides)
         return logp, entropy, lse
-    block, num_warps = _launch_config(min(chunk, block), logits.element_size())
+    split, merge = cfgs
+    splits, chunk = split.arg("SPLITS"), split.arg("CHUNK")
     part = torch.empty((3, N, splits), dtype=torch.float32, device=logits.device)
-    _token_stats_split_fwd_kernel[(N, splits)](
-        logits, part[0], part[1], part[2], T, V, chunk, splits,
-        logits.stride(0), logits.stride(1), inv_temp,
-        BLOCK_V=block, num_warps=num_warps,
-    )  # fmt: skip
-    block_s = min(triton.next_power_of_2(splits), 1024)
-    _token_stats_merge_fwd_kernel[(N,)](
-        logits, tokens, part[0], part[1], part[2], logp, entropy, lse, T, V, splits,
-        logits.stride(0), logits.stride(1), inv_temp,
-        BLOCK_S=block_s, num_warps=1 if block_s <= 256 else 4,
-    )  # fmt: skip
+    split(logits, part[0], part[1], part[2], T, V, chunk, splits, *strides)
+    merge(logits, tokens, part[0], part[1], part[2], logp, entropy, lse, T, V, splits, *strides)
     return logp, entropy, lse
 
 
-def token_stats_bwd(
+def row_grad_(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     lse: torch.Tensor,
@@ -381,52 +414,20 @@ def token_stats_bwd(
     if B * T == 0:
         return out
     assert out.shape == logits.shape and (V == 1 or out.stride(-1) == 1)
-    block, num_warps = _launch_config(V, logits.element_size())
+    tokens = tokens.contiguous()
+    (cfg,) = row_grad_configs(
+        B * T, V, logits.dtype, grad_entropy is not None, tokens_dtype=tokens.dtype
+    )
     g = grad_logp.float().contiguous()
     h = g if grad_entropy is None else grad_entropy.float().contiguous()
-    _token_stats_bwd_kernel[(B * T,)](
-        logits,
-        tokens.contiguous(),
-        lse.contiguous(),
-        entropy.contiguous(),
-        g,
-        h,
-        out,
-        T,
-        V,
-        logits.stride(0),
-        logits.stride(1),
-        out.stride(0),
-        out.stride(1),
-        1.0 / float(temperature),
-        HAS_GRAD_ENTROPY=grad_entropy is not None,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
+    cfg(
+        logits, tokens, lse.contiguous(), entropy.contiguous(), g, h, out, T, V,
+        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), 1.0 / float(temperature),
+    )  # fmt: skip
     return out
 
 
-# --------------------------------------------------------------------------- upstream scale
-@triton.jit
-def _scale_grad_kernel(
-    grad_ptr,  # (R, C) rows of a gradient, any dtype, stride over C is 1; scaled in place
-    scale_ptr,  # (1,) the upstream gradient dL_total / dloss (any float dtype)
-    C,
-    stride_grad_r,
-    BLOCK: tl.constexpr,
-):
-    # grad *= scale. A scale of exactly 1 (loss.backward()) returns before touching the row:
-    # the only cost is the launch, and the host never reads the scale.
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ptrs = grad_ptr + row * stride_grad_r + offs
-        x = tl.load(ptrs, mask=offs < C, other=0.0).to(tl.float32)
-        tl.store(ptrs, (x * scale).to(grad_ptr.dtype.element_ty), mask=offs < C)
-
-
-def scale_grad(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """grad *= scale in place, without a host sync and without a pass when scale == 1.
 
     grad: any shape whose last dim has stride 1 and whose leading dims flatten to rows of equal
@@ -440,10 +441,10 @@ def scale_grad(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             g = g.view(-1, g.shape[-1])
         except RuntimeError:  # (B, T) do not flatten (a sliced view): one launch per b
             for sub in g.unbind(0):
-                scale_grad(sub, scale)
+                scale_(sub, scale)
             return grad
     R, C = g.shape
     assert C == 1 or g.stride(1) == 1
-    BLOCK = 4096
-    _scale_grad_kernel[(R, triton.cdiv(C, BLOCK))](g, scale.reshape(1), C, g.stride(0), BLOCK=BLOCK)
+    (cfg,) = scale_configs(R, C, g.dtype, scale.dtype)
+    cfg(g, scale.reshape(1), C, g.stride(0))
     return grad

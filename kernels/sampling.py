@@ -1,7 +1,7 @@
 """One-pass Gumbel-max sampler (SPEC 10): token, its log-prob and the row's entropy.
 
 For a row z (V,) and z' = z / τ, one sweep over the vocabulary in blocks of BLOCK_V carries,
-relative to the running max m (online, rescaled when m grows: policy_loss._lse_merge),
+relative to the running max m (online, rescaled when m grows: softmax._lse_update),
     m = max z',  s = Σ e^(z' - m),  w = Σ e^(z' - m)·(z' - m)
 and a running argmax of z'_j + G_j, with G_j = -log(E_j) Gumbel noise, E_j = -log(1 - U_j)
 ~ Exp(1) and U_j uniform from Philox keyed by (seed, row·V + j): counter-based, so the same
@@ -13,7 +13,8 @@ its terms are >= 0). Entries equal to -inf (a truncated top-k / top-p support) g
 and never win. A row holding a NaN logit gives logp = H = NaN (its token is the argmax over the
 other entries: some value in [0, V)). GREEDY skips the noise (argmax of z').
 
-Two launch shapes (`_split_config` of policy_loss decides; `split_chunk` forces it):
+Two launch shapes (softmax._split_config decides, in `sample_rows_configs`; `split_chunk` forces
+it):
   * `_sample_fwd_kernel`, grid (N,): one program sweeps its whole row;
   * split-V for few rows and a large V (decode): `_sample_split_fwd_kernel`, grid (N, SPLITS),
     reduces slices of CHUNK columns to partials (m, s, w, best key, its index and z') in fp32 /
@@ -24,11 +25,24 @@ Two launch shapes (`_split_config` of policy_loss decides; `split_chunk` forces 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .policy_loss import _lse_merge, _split_config
+from .launch import LaunchConfig, Ptr, config, next_power_of_2
+from .softmax import (
+    _SPLIT_SM_COUNT,
+    _lse_finish,
+    _lse_init,
+    _lse_merge_partials,
+    _lse_store_partials,
+    _lse_update,
+    _merge_config,
+    _sm_count,
+    _split_config,
+)
 
 
 @triton.jit
@@ -48,10 +62,7 @@ def _sample_slice(
     # best_z): the statistics of _lse_merge over z'_j (NaN logits counted in n_nan, then treated
     # as -inf), and the first maximum of key_j = z'_j + G_j (z'_j if GREEDY) with its z'.
     NEG_INF: tl.constexpr = float("-inf")
-    m = tl.full((), NEG_INF, tl.float32)
-    s = tl.zeros((), dtype=tl.float32)
-    w = tl.zeros((), dtype=tl.float32)
-    n_nan = tl.zeros((), dtype=tl.int32)
+    m, s, w, n_nan = _lse_init()
     best_key = tl.full((), NEG_INF, tl.float32)  # running max of z' + G
     best_idx = tl.zeros((), dtype=tl.int64)  # its column (0 while every key is -inf)
     best_z = tl.full((), NEG_INF, tl.float32)  # z' of the running winner
@@ -60,10 +71,7 @@ def _sample_slice(
         inside = cols < hi
         z = tl.load(row_ptr + cols.to(tl.int64) * stride_lv, mask=inside, other=NEG_INF)
         z = z.to(tl.float32) * inv_temperature
-        is_nan = z != z
-        n_nan += tl.sum(is_nan.to(tl.int32), 0)
-        z = tl.where(is_nan, NEG_INF, z)
-        m, s, w = _lse_merge(m, s, w, z, 1.0, 0.0)
+        m, s, w, n_nan, z = _lse_update(m, s, w, n_nan, z)  # NaNs counted, then -inf
         if GREEDY:
             key = z
         else:
@@ -87,11 +95,10 @@ def _sample_slice(
 def _sample_store(tokens_ptr, logp_ptr, entropy_ptr, row, m, s, w, n_nan, best_idx, best_z):
     # token = best_idx, logp = (z'_y - m) - log s, H = log s - w / s; logp = H = NaN for a row
     # with a NaN logit.
-    log_s = tl.log(s)
-    bad = n_nan > 0
+    log_s, lse, entropy = _lse_finish(m, s, w, n_nan)
     tl.store(tokens_ptr + row, best_idx.to(tl.int64))
-    tl.store(logp_ptr + row, tl.where(bad, float("nan"), (best_z - m) - log_s))
-    tl.store(entropy_ptr + row, tl.where(bad, float("nan"), log_s - w / s))
+    tl.store(logp_ptr + row, tl.where(n_nan > 0, float("nan"), (best_z - m) - log_s))
+    tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit
@@ -151,9 +158,7 @@ def _sample_split_fwd_kernel(
         row_ptr, stride_lv, seed, row, V, lo, hi, inv_temperature, GREEDY, BLOCK_V
     )
     out = row * SPLITS + split
-    tl.store(part_m_ptr + out, m)
-    tl.store(part_s_ptr + out, tl.where(n_nan > 0, float("nan"), s))
-    tl.store(part_w_ptr + out, w)
+    _lse_store_partials(part_m_ptr, part_s_ptr, part_w_ptr, out, m, s, w, n_nan)
     tl.store(part_key_ptr + out, best_key)
     tl.store(part_idx_ptr + out, best_idx)
     tl.store(part_z_ptr + out, best_z)
@@ -174,29 +179,22 @@ def _sample_merge_fwd_kernel(
     BLOCK_S: tl.constexpr,
 ):
     # split-V stage 2, grid (N,): merge a row's SPLITS partials, BLOCK_S at a time: (m, s, w) by
-    # the log-sum-exp merge (_lse_merge; a NaN s_k marks a NaN logit), the token as the largest
-    # key (the earliest slice on ties, as the one-program sweep), then _sample_store.
+    # the log-sum-exp merge (softmax._lse_merge_partials; a NaN s_k marks a NaN logit), the
+    # token as the largest key (the earliest slice on ties, as the one-program sweep), then
+    # _sample_store.
     NEG_INF: tl.constexpr = float("-inf")
     row = tl.program_id(0).to(tl.int64)
     base = row * SPLITS
-    m = tl.full((), NEG_INF, tl.float32)
-    s = tl.zeros((), dtype=tl.float32)
-    w = tl.zeros((), dtype=tl.float32)
-    n_nan = tl.zeros((), dtype=tl.int32)
+    m, s, w, n_nan = _lse_init()
     best_key = tl.full((), NEG_INF, tl.float32)
     best_k = base  # flat index of the winning partial (int64)
     ks = tl.arange(0, BLOCK_S)
     for start in range(0, SPLITS, BLOCK_S):
         k = start + ks
         valid = k < SPLITS
-        part_m = tl.load(part_m_ptr + base + k, mask=valid, other=NEG_INF)
-        part_s = tl.load(part_s_ptr + base + k, mask=valid, other=0.0)
-        part_w = tl.load(part_w_ptr + base + k, mask=valid, other=0.0)
-        is_nan = part_s != part_s
-        n_nan += tl.sum(is_nan.to(tl.int32), 0)
-        part_m = tl.where(is_nan, NEG_INF, part_m)  # counted, then an empty partial
-        part_s = tl.where(is_nan, 0.0, part_s)
-        m, s, w = _lse_merge(m, s, w, part_m, part_s, part_w)
+        m, s, w, n_nan = _lse_merge_partials(
+            m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, base + k, valid
+        )
         key = tl.load(part_key_ptr + base + k, mask=valid, other=NEG_INF)
         blk_best = tl.max(key, 0)
         blk_k = tl.argmax(key, 0)  # first maximum: the earliest slice
@@ -206,6 +204,64 @@ def _sample_merge_fwd_kernel(
     best_idx = tl.load(part_idx_ptr + best_k)
     best_z = tl.load(part_z_ptr + best_k)
     _sample_store(tokens_ptr, logp_ptr, entropy_ptr, row, m, s, w, n_nan, best_idx, best_z)
+
+
+# --------------------------------------------------------------------------- launch configurations
+_F32 = torch.float32
+
+
+def _sample_warps(block_v: int, dtype: torch.dtype) -> int:
+    """num_warps of the sampling sweep: 16 for 2-byte logits at BLOCK_V 4096 (at 8 warps ptxas
+    holds the Philox sweep to 128 registers and spills, on sm_80 and sm_90a: compile_check),
+    8 from BLOCK_V 2048, else 4."""
+    if block_v >= 4096 and dtype.itemsize <= 2:
+        return 16
+    return 8 if block_v >= 2048 else 4
+
+
+def sample_rows_configs(
+    N: int,
+    V: int,
+    dtype: torch.dtype,
+    greedy: bool,
+    device_sms: int = _SPLIT_SM_COUNT,
+    split_chunk: int | None = None,
+) -> tuple[LaunchConfig, ...]:
+    """The launches of `sample_rows` for N rows of V logits of `dtype` on a device with
+    `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (softmax._split_config;
+    `split_chunk` forces it as in sample_rows). Example arguments: logits (N, V) contiguous."""
+    block_v = min(4096, next_power_of_2(V))
+    splits, chunk = _split_config(N, V, block_v, device_sms, split_chunk)  # not cached: tests spy
+    return _sample_rows_configs(N, V, dtype, bool(greedy), splits, chunk)
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_rows_configs(N, V, dtype, greedy, splits, chunk) -> tuple[LaunchConfig, ...]:
+    block_v = min(4096, next_power_of_2(V))
+    logits = {"logits_ptr": Ptr(dtype), "seed_ptr": Ptr(torch.int64)}
+    outs = {"tokens_ptr": Ptr(torch.int64), "logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32)}
+    strides = {"stride_ln": V, "stride_lv": 1, "inv_temperature": 1.0}
+    if splits == 1:
+        args = {**logits, **outs, "V": V, **strides}
+        warps = _sample_warps(block_v, dtype)
+        return (config(_sample_fwd_kernel, (N,), warps, args, GREEDY=greedy, BLOCK_V=block_v),)
+    block_v = min(block_v, max(16, next_power_of_2(chunk)))
+    # scratch: fp32 (5, N, splits) for m, s, w, key, z' and int64 (N, splits) for the index
+    aligned = (N * splits * 4) % 16 == 0
+    parts = {f"part_{k}_ptr": Ptr(_F32, aligned or k == "m") for k in ("m", "s", "w", "key")}
+    parts = {**parts, "part_idx_ptr": Ptr(torch.int64), "part_z_ptr": Ptr(_F32, aligned)}
+    split_args = {**logits, **parts, "V": V, "CHUNK": chunk, "SPLITS": splits, **strides}
+    block_s, warps_s = _merge_config(splits)
+    return (
+        config(
+            _sample_split_fwd_kernel, (N, splits), _sample_warps(block_v, dtype), split_args,
+            GREEDY=greedy, BLOCK_V=block_v,
+        ),
+        config(
+            _sample_merge_fwd_kernel, (N,), warps_s, {**parts, **outs, "SPLITS": splits},
+            BLOCK_S=block_s,
+        ),
+    )  # fmt: skip
 
 
 def sample_rows(
@@ -219,7 +275,7 @@ def sample_rows(
     """Sample every row. logits (N, V) any float, any strides; seed (1,) int64 on the logits'
     device. Returns tokens (N,) int64, logp (N,) fp32, entropy (N,) fp32.
 
-    One program per row, or split-V for few rows and a large V (policy_loss._split_config;
+    One program per row, or split-V for few rows and a large V (softmax._split_config;
     `split_chunk` forces it: 0 = one program per row, k > 0 = slices of k columns). Both give
     the same tokens for the same seed, and logp / entropy equal to fp32 rounding."""
     N, V = logits.shape
@@ -229,27 +285,17 @@ def sample_rows(
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
     if N == 0:
         return tokens, logp, entropy
-    BLOCK_V = min(4096, triton.next_power_of_2(V))
+    cfgs = sample_rows_configs(N, V, logits.dtype, greedy, _sm_count(dev), split_chunk)
     inv_temperature = 1.0 if greedy else 1.0 / temperature
-    splits, chunk = _split_config(N, V, BLOCK_V, dev, split_chunk)
-    if splits == 1:
-        _sample_fwd_kernel[(N,)](
-            logits, seed, tokens, logp, entropy, V,
-            logits.stride(0), logits.stride(1), inv_temperature,
-            GREEDY=greedy, BLOCK_V=BLOCK_V, num_warps=8 if BLOCK_V >= 2048 else 4,
-        )  # fmt: skip
+    strides = (logits.stride(0), logits.stride(1), inv_temperature)
+    if len(cfgs) == 1:
+        cfgs[0](logits, seed, tokens, logp, entropy, V, *strides)
         return tokens, logp, entropy
-    BLOCK_V = min(BLOCK_V, max(16, triton.next_power_of_2(chunk)))
+    split, merge = cfgs
+    splits, chunk = split.arg("SPLITS"), split.arg("CHUNK")
     part = torch.empty((5, N, splits), dtype=torch.float32, device=dev)  # m, s, w, key, z'
     part_idx = torch.empty((N, splits), dtype=torch.int64, device=dev)
-    _sample_split_fwd_kernel[(N, splits)](
-        logits, seed, part[0], part[1], part[2], part[3], part_idx, part[4], V, chunk, splits,
-        logits.stride(0), logits.stride(1), inv_temperature,
-        GREEDY=greedy, BLOCK_V=BLOCK_V, num_warps=8 if BLOCK_V >= 2048 else 4,
-    )  # fmt: skip
-    BLOCK_S = min(1024, triton.next_power_of_2(splits))
-    _sample_merge_fwd_kernel[(N,)](
-        part[0], part[1], part[2], part[3], part_idx, part[4], tokens, logp, entropy, splits,
-        BLOCK_S=BLOCK_S, num_warps=1 if BLOCK_S <= 256 else 4,
-    )  # fmt: skip
+    parts = (part[0], part[1], part[2], part[3], part_idx, part[4])
+    split(logits, seed, *parts, V, chunk, splits, *strides)
+    merge(*parts, tokens, logp, entropy, splits)
     return tokens, logp, entropy

@@ -1,7 +1,7 @@
 """Split-V launches (issue 11 item 3) and max-shifted entropy (issue 10 item 2), Triton kernels.
 
 * `_split_config`: the heuristic that picks one program per row or split-V (few rows, large V).
-* token_stats_fwd / sample_rows forced onto split-V with tiny slices (the interpreter is slow)
+* row_stats / sample_rows forced onto split-V with tiny slices (the interpreter is slow)
   give the one-program outputs: identical tokens for the same seed (the Gumbel noise of (row, j)
   does not depend on the split), logp / entropy equal to fp32 rounding.
 * H = log s - Σ p (z' - m) keeps fp32 accuracy where lse - Σ p z' cancels: logits offset by
@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 from fastrl.kernels import policy_loss as PL
-from fastrl.kernels.policy_loss import _split_config, token_stats_fwd
+from fastrl.kernels import softmax as SM
+from fastrl.kernels.policy_loss import _split_config, row_stats
 from fastrl.kernels.sampling import sample_rows
 
 import fastrl
@@ -45,14 +46,14 @@ def test_split_config_heuristic():
     # decode shapes on the default 132 SMs: split, slices of >= _SPLIT_MIN_CHUNK covering V
     for n, V in [(1, 262144), (16, 151936), (64, 262144), (263, 151936)]:
         splits, chunk = _split_config(n, V, block, CPU)
-        assert splits > 1 and chunk % block == 0 and chunk >= PL._SPLIT_MIN_CHUNK
+        assert splits > 1 and chunk % block == 0 and chunk >= SM._SPLIT_MIN_CHUNK
         assert (splits - 1) * chunk < V <= splits * chunk
-        assert n * splits <= 2 * PL._SPLIT_WAVES * PL._SPLIT_SM_COUNT  # no needless slicing
+        assert n * splits <= 2 * SM._SPLIT_WAVES * SM._SPLIT_SM_COUNT  # no needless slicing
     assert _split_config(1, 262144, block, CPU) == (32, 8192)
     # many rows (training shapes) or a small V: one program per row
     assert _split_config(264, 262144, block, CPU) == (1, 262144)
     assert _split_config(16384, 151936, block, CPU) == (1, 151936)
-    assert _split_config(1, 2 * PL._SPLIT_MIN_CHUNK - 1, block, CPU)[0] == 1
+    assert _split_config(1, 2 * SM._SPLIT_MIN_CHUNK - 1, block, CPU)[0] == 1
     # forced (tests): 0 = one program per row, k = slices of k columns
     assert _split_config(1, 262144, block, CPU, split_chunk=0) == (1, 262144)
     assert _split_config(10**6, 1000, 1024, CPU, split_chunk=64) == (16, 64)
@@ -71,8 +72,8 @@ def test_token_stats_split_equals_one_program(device, dtype, V, chunk):
     logits[1, 2, V - 1] = 40.0  # nearly deterministic, its max in the last slice
     tokens = torch.randint(0, V, (2, 3), device=device)
     tokens[1, 0] = V  # out of range: logp = NaN on both paths
-    one = token_stats_fwd(logits, tokens, 0.7, split_chunk=0)
-    split = token_stats_fwd(logits, tokens, 0.7, split_chunk=chunk)
+    one = row_stats(logits, tokens, 0.7, split_chunk=0)
+    split = row_stats(logits, tokens, 0.7, split_chunk=chunk)
     for a, b in zip(one, split):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, equal_nan=True)
     z64 = logits.double() / 0.7
@@ -97,7 +98,7 @@ def test_token_stats_nonfinite_rows(device, chunk):
     logits[0, 2, 7] = float("inf")
     logits[0, 3, :250] = float("-inf")
     tokens = torch.tensor([[0, 1, 2, 260]], device=device)
-    logp, entropy, lse = token_stats_fwd(logits, tokens, 1.0, split_chunk=chunk)
+    logp, entropy, lse = row_stats(logits, tokens, 1.0, split_chunk=chunk)
     assert torch.isnan(logp[0, :3]).all() and torch.isnan(entropy[0, :3]).all()
     assert torch.isnan(lse[0, :3]).all()
     z = logits[0, 3, 250:].double()
@@ -109,7 +110,7 @@ def test_token_stats_nonfinite_rows(device, chunk):
 def test_logprobs_takes_split_path_when_rows_are_few(monkeypatch):
     """fastrl.logprobs on the Triton backend picks split-V by itself for few rows / large V
     (the minimum slice lowered so that a tiny V qualifies), with the torch path's results."""
-    monkeypatch.setattr(PL, "_SPLIT_MIN_CHUNK", 64)
+    monkeypatch.setattr(SM, "_SPLIT_MIN_CHUNK", 64)
     chosen = []
 
     def spy(*args, **kwargs):
@@ -171,10 +172,10 @@ def test_sample_takes_split_path_with_the_same_tokens(monkeypatch):
     as one program per row."""
     monkeypatch.setenv("FASTRL_BACKEND", "triton")
     logits = torch.randn(2, 700) * 2
-    monkeypatch.setattr(PL, "_SPLIT_MIN_CHUNK", 64)
+    monkeypatch.setattr(SM, "_SPLIT_MIN_CHUNK", 64)
     assert _split_config(2, 700, 1024, CPU)[0] > 1
     split = fastrl.sample(logits, 0.9, generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(PL, "_SPLIT_MIN_CHUNK", 1 << 20)
+    monkeypatch.setattr(SM, "_SPLIT_MIN_CHUNK", 1 << 20)
     one = fastrl.sample(logits, 0.9, generator=torch.Generator().manual_seed(4))
     assert torch.equal(split[0], one[0])
     torch.testing.assert_close(split[1], one[1])
@@ -198,7 +199,7 @@ def test_token_stats_entropy_precision(device, chunk, case):
     make, tau = PRECISION_CASES[case]
     logits = make().to(device)[None]  # (1, N, V)
     tokens = logits.argmin(-1)  # the least likely token: logp is max-shifted too
-    logp, entropy, _ = token_stats_fwd(logits, tokens, tau, split_chunk=chunk)
+    logp, entropy, _ = row_stats(logits, tokens, tau, split_chunk=chunk)
     z64 = logits.double() / tau
     ls = torch.log_softmax(z64, -1)
     torch.testing.assert_close(entropy.double(), entropy64(z64), rtol=1e-5, atol=1e-6)
@@ -242,8 +243,8 @@ def test_split_v_decode_shapes_cuda(N, V):
     torch.testing.assert_close(auto[1], one[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(auto[2], one[2], rtol=1e-5, atol=1e-5)
     tokens = auto[0][None]
-    a = token_stats_fwd(logits[None], tokens, 0.7)
-    b = token_stats_fwd(logits[None], tokens, 0.7, split_chunk=0)
+    a = row_stats(logits[None], tokens, 0.7)
+    b = row_stats(logits[None], tokens, 0.7, split_chunk=0)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a[0][0], auto[1], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,160 @@
+"""Online softmax statistics and the split-V launch heuristic, shared by the policy-loss kernels
+(policy_loss.py) and the sampler (sampling.py).
+
+Notation of SPEC.md: a row is the logits z (length V) of one token, z' = z / tau. Over any set of
+columns, relative to its max m (all fp32):
+    s = sum_j exp(z'_j - m),   w = sum_j exp(z'_j - m) * (z'_j - m)     (every term of w <= 0)
+and from the whole row's (m, s, w):
+    lse = m + log s,   H = lse - sum_j p_j z'_j = log s - w / s,   logp_y = (z'_y - m) - log s
+max-shifted, so H has no cancellation at large logit offsets or low temperature. A -inf logit
+(a masked vocabulary entry) contributes 0; a NaN logit is counted (n_nan) and left out, and the
+caller reports its row as NaN (whatever the NaN semantics of max on the hardware).
+
+`@triton.jit` helpers (inlined into the kernels that call them), then host helpers:
+  * `_lse_merge`: log-sum-exp merge of a block of partial (m, s, w) into running scalars;
+  * `_lse_init`, `_lse_update`: the running statistics of a row read BLOCK_V logits at a time;
+  * `_lse_store_partials`, `_lse_merge_partials`: split-V stage 1 writes a slice's partials,
+    stage 2 merges a row's partials (a NaN s_k marks a slice that held a NaN logit);
+  * `_lse_finish`: (log s, lse, H) of a row, NaN where it held a NaN logit;
+  * host: `_sm_count`, `_split_config` (how many programs share a row), `_merge_config`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cdiv, next_power_of_2
+
+
+@triton.jit
+def _lse_merge(m, s, w, part_m, part_s, part_w):
+    # Log-sum-exp merge of a block of partial statistics into the running ones (scalars):
+    #   running (m, s, w): s = sum exp(z' - m), w = sum exp(z' - m) * (z' - m) over the terms seen;
+    #   part_* (BLOCK,) fp32: the same statistics of disjoint sets of terms (a single logit z'_j
+    #   is the partial (z'_j, 1, 0)); part_m = -inf is an empty partial (contributes 0).
+    # With m_new = max(m, max part_m) and a_k = exp(m_k - m_new) (0 for an empty set):
+    #   s <- sum_k a_k s_k,   w <- sum_k a_k (w_k + s_k (m_k - m_new))
+    # Every term of w has the sign of (z' - m_new) <= 0: no cancellation. A +inf partial max
+    # gives inf - inf = NaN (a +inf logit makes its row NaN); NaN partials are handled by callers.
+    m_new = tl.maximum(m, tl.max(part_m, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep s = w = 0
+    old = m > float("-inf")
+    d = tl.where(old, m - m_safe, 0.0)
+    a = tl.where(old, tl.exp(d), 0.0)
+    w = a * (w + s * d)
+    s = a * s
+    live = part_m > float("-inf")
+    part_d = tl.where(live, part_m - m_safe, 0.0)
+    part_a = tl.where(live, tl.exp(part_d), 0.0)
+    s += tl.sum(part_a * part_s, axis=0)
+    w += tl.sum(part_a * (part_w + part_s * part_d), axis=0)
+    return m_new, s, w
+
+
+@triton.jit
+def _lse_init():
+    # The statistics of no terms: (m, s, w, n_nan) = (-inf, 0, 0, 0), fp32 / int32 scalars.
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), dtype=tl.float32)
+    w = tl.zeros((), dtype=tl.float32)
+    n_nan = tl.zeros((), dtype=tl.int32)
+    return m, s, w, n_nan
+
+
+@triton.jit
+def _lse_update(m, s, w, n_nan, z):
+    # Fold a block z (BLOCK,) fp32 of scaled logits z' (masked-out columns -inf) into the running
+    # statistics: NaN entries are counted in n_nan, then treated as -inf. Returns the updated
+    # (m, s, w, n_nan) and the block with its NaNs replaced by -inf.
+    is_nan = z != z
+    n_nan += tl.sum(is_nan.to(tl.int32), axis=0)
+    z = tl.where(is_nan, float("-inf"), z)
+    m, s, w = _lse_merge(m, s, w, z, 1.0, 0.0)
+    return m, s, w, n_nan, z
+
+
+@triton.jit
+def _lse_store_partials(part_m_ptr, part_s_ptr, part_w_ptr, out, m, s, w, n_nan):
+    # split-V stage 1: a slice's partials at flat index `out` of the (N, SPLITS) fp32 scratch;
+    # s is stored as NaN when the slice held a NaN logit (the marker _lse_merge_partials reads).
+    tl.store(part_m_ptr + out, m)
+    tl.store(part_s_ptr + out, tl.where(n_nan > 0, float("nan"), s))
+    tl.store(part_w_ptr + out, w)
+
+
+@triton.jit
+def _lse_merge_partials(m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, offs, valid):
+    # split-V stage 2: merge the partials at flat indices `offs` (BLOCK_S,) (where `valid`) into
+    # the running statistics; a NaN s_k is counted in n_nan, then merged as an empty partial.
+    part_m = tl.load(part_m_ptr + offs, mask=valid, other=float("-inf"))
+    part_s = tl.load(part_s_ptr + offs, mask=valid, other=0.0)
+    part_w = tl.load(part_w_ptr + offs, mask=valid, other=0.0)
+    is_nan = part_s != part_s
+    n_nan += tl.sum(is_nan.to(tl.int32), axis=0)
+    part_m = tl.where(is_nan, float("-inf"), part_m)
+    part_s = tl.where(is_nan, 0.0, part_s)
+    m, s, w = _lse_merge(m, s, w, part_m, part_s, part_w)
+    return m, s, w, n_nan
+
+
+@triton.jit
+def _lse_finish(m, s, w, n_nan):
+    # A whole row's (log s, lse = m + log s, H = log s - w / s); lse and H are NaN when the row
+    # held a NaN logit (log s is returned as is: callers form logp = (z'_y - m) - log s).
+    log_s = tl.log(s)
+    bad = n_nan > 0
+    lse = tl.where(bad, float("nan"), m + log_s)
+    entropy = tl.where(bad, float("nan"), log_s - w / s)
+    return log_s, lse, entropy
+
+
+# --------------------------------------------------------------------------- host helpers
+_SPLIT_SM_COUNT = 132  # SMs assumed off CUDA (the interpreter, tests, AOT compiles): an H100 SXM
+_SPLIT_MIN_CHUNK = 8192  # never fewer logits than this per split-V program
+_SPLIT_WAVES = 4  # split-V aims at about this many programs per SM
+_MAX_BLOCK_S = 1024  # partials merged per step by the stage-2 kernels
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (torch caches the properties: no sync);
+    _SPLIT_SM_COUNT off CUDA."""
+    if device.type != "cuda":
+        return _SPLIT_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _split_config(
+    n_rows: int, V: int, block: int, device: torch.device | int, split_chunk: int | None = None
+) -> tuple[int, int]:
+    """(splits, chunk): how many programs share each row, each reducing `chunk` logits of it.
+
+    `device`: the logits' device (its SM count, see _sm_count) or an SM count.
+    One program per row (splits = 1) leaves most SMs idle at decode time (N of 1-64 rows) with a
+    large V (up to 262144). Split V when there are fewer rows than 2 * SMs (132 SMs assumed off
+    CUDA) and V >= 2 * _SPLIT_MIN_CHUNK: splits = min(V / _SPLIT_MIN_CHUNK, _SPLIT_WAVES * SMs /
+    n_rows) (rounded up), chunk = V / splits rounded up to a multiple of `block` (whole BLOCK_V
+    steps). E.g. on 132 SMs N = 1, V = 262144 -> 32 splits of 8192; N = 64, V = 151936 (bf16)
+    -> 7 splits of 24576; N >= 264 -> one program per row.
+    `split_chunk` forces the choice (tests): 0 -> one program per row, k > 0 -> slices of k.
+    Not tuned on a GPU yet (none was available): the constants above are first guesses."""
+    if split_chunk is not None:
+        if split_chunk <= 0 or split_chunk >= V:
+            return 1, V
+        return cdiv(V, split_chunk), split_chunk
+    sms = device if isinstance(device, int) else _sm_count(device)
+    if n_rows >= 2 * sms or V < 2 * _SPLIT_MIN_CHUNK:
+        return 1, V
+    splits = min(cdiv(V, _SPLIT_MIN_CHUNK), cdiv(_SPLIT_WAVES * sms, n_rows))
+    align = min(block, _SPLIT_MIN_CHUNK)  # whole BLOCK_V steps per slice
+    chunk = cdiv(cdiv(V, splits), align) * align
+    splits = cdiv(V, chunk)
+    return (splits, chunk) if splits > 1 else (1, V)
+
+
+def _merge_config(splits: int) -> tuple[int, int]:
+    """(BLOCK_S, num_warps) of a split-V stage-2 kernel merging `splits` partials per row."""
+    block_s = min(next_power_of_2(splits), _MAX_BLOCK_S)
+    return block_s, 1 if block_s <= 256 else 4
