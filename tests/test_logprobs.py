@@ -219,3 +219,25 @@ def test_masked_out_of_range_token_has_a_finite_gradient(device):
     (torch.where(valid, rlogp, 0.0).sum() + 0.5 * rent.sum()).backward()
     assert torch.isfinite(x.grad).all()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_extreme_finite_logits(device):
+    """Finite logits near -+3.4e38: z - max z overflows to -inf for the far ones, whose p = 0
+    must add 0 to the entropy (not 0 * -inf = NaN). Log-probs, entropies and gradients are
+    finite and equal to the float64 values, on every backend and in the sampler."""
+    big = 3e38
+    logits = torch.tensor([[[big, -big, 0.0, 1.0], [-big, big, big, 2.0]]], device=device)
+    tokens = torch.tensor([[0, 1]], device=device)
+    z = logits.clone().requires_grad_()
+    logp, ent = fastrl.logprobs(z * 1, tokens, entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    logq = torch.log_softmax(logits.double().cpu(), -1)
+    p = logq.exp()
+    want_ent = -torch.where(p > 0, p * logq, 0.0).sum(-1).float()
+    torch.testing.assert_close(ent.cpu(), want_ent)
+    torch.testing.assert_close(logp.cpu(), logq.gather(-1, tokens.cpu()[..., None])[..., 0].float())
+    assert torch.isfinite(z.grad).all(), z.grad
+    gen = torch.Generator(device=device).manual_seed(0)
+    _, s_logp, s_ent = fastrl.sample(logits[0], generator=gen)
+    assert torch.isfinite(s_logp).all() and torch.isfinite(s_ent).all()
+    torch.testing.assert_close(s_ent.cpu(), want_ent[0])
