@@ -27,8 +27,6 @@ import triton.language as tl
 
 from .launch import cdiv, next_power_of_2
 
-FLT_LOWEST: tl.constexpr = -3.4028234663852886e38  # the lowest finite fp32
-
 
 @triton.jit
 def _lse_merge(m, s, w, part_m, part_s, part_w):
@@ -43,14 +41,15 @@ def _lse_merge(m, s, w, part_m, part_s, part_w):
     m_new = tl.maximum(m, tl.max(part_m, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep s = w = 0
     old = m > float("-inf")
-    # m - m_new overflows to -inf for finite logits near -+3.4e38; clamped to the lowest float so
-    # that a = 0 multiplies a finite number (0 * -inf would be NaN), as the torch path does
-    d = tl.maximum(tl.where(old, m - m_safe, 0.0), FLT_LOWEST)
+    # m - m_new overflows to -inf for finite logits near -+3.4e38; clamped to the lowest finite
+    # fp32 (-3.4028234663852886e38) so that a = 0 multiplies a finite number (0 * -inf would be
+    # NaN), as the torch path does
+    d = tl.maximum(tl.where(old, m - m_safe, 0.0), -3.4028234663852886e38)
     a = tl.where(old, tl.exp(d), 0.0)
     w = a * (w + s * d)
     s = a * s
     live = part_m > float("-inf")
-    part_d = tl.maximum(tl.where(live, part_m - m_safe, 0.0), FLT_LOWEST)
+    part_d = tl.maximum(tl.where(live, part_m - m_safe, 0.0), -3.4028234663852886e38)
     part_a = tl.where(live, tl.exp(part_d), 0.0)
     s += tl.sum(part_a * part_s, axis=0)
     w += tl.sum(part_a * (part_w + part_s * part_d), axis=0)
