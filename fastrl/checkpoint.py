@@ -4,26 +4,35 @@ the newest complete one.
 
 Every checkpoint is written into a temporary directory, each file fsync'ed, then renamed into
 place; only then is `latest` replaced (temp file + fsync + os.replace). A save interrupted at any
-point leaves the previous checkpoint and the `latest` pointer intact.
+point leaves the previous checkpoint and the `latest` pointer intact. Files and directories get
+the permissions of the process's umask (as `open` and `save_pretrained` give them), not the
+owner-only ones of the temporary files they start as. Each checkpoint lists the SHA-256 of every
+file in it in `SHA256SUMS` (the format of `sha256sum`: `cd step-N && sha256sum -c SHA256SUMS`
+checks a copy by hand).
 
 Loading checks what it reads: `load_checkpoint` raises `CorruptCheckpoint` naming the file when
-one is missing, truncated, not parseable, or holds non-finite weights / optimizer state, and
-`checkpoint_candidates` lists every checkpoint newest first, so that a resume can fall back to
-the newest intact one.
+one is missing, truncated, not parseable, holds non-finite weights / optimizer state, or no
+longer has the SHA-256 it was saved with (a same-size corruption that parses: zeroed blocks,
+flipped bits), and `checkpoint_candidates` lists every checkpoint newest first, so that a resume
+can fall back to the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 LATEST = "latest"
+CHECKSUMS = "SHA256SUMS"
+"""The file in each checkpoint that lists the SHA-256 of every other file in it."""
 
 
 class CorruptCheckpoint(ValueError):
@@ -51,8 +60,38 @@ def _fsync_file(path: str) -> None:
         os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc), else by
+    setting and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask(path: str, umask: int) -> None:
+    """Give `path` (and, for a directory, everything under it) the modes a plain `open` /
+    `mkdir` would have: 0o666 & ~umask for files, 0o777 & ~umask for directories. The
+    temporary files and directories of an atomic write start owner-only (mkstemp, mkdtemp,
+    safetensors), which would make checkpoints unreadable to the group the umask allows."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
+    if os.path.isdir(path):
+        for parent, dirs, files in os.walk(path):
+            for d in dirs:
+                os.chmod(os.path.join(parent, d), 0o777 & ~umask)
+            for f in files:
+                os.chmod(os.path.join(parent, f), 0o666 & ~umask)
+
+
 def write_json_atomic(path: str, obj) -> None:
-    """Write JSON to `path` through a fsync'ed temp file in the same directory + os.replace."""
+    """Write JSON to `path` through a fsync'ed temp file in the same directory + os.replace; the
+    file gets the mode the umask gives a new file."""
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".json")
     try:
@@ -60,6 +99,7 @@ def write_json_atomic(path: str, obj) -> None:
             json.dump(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        _apply_umask(tmp, current_umask())
         os.replace(tmp, path)
         _fsync_dir(d)
     except BaseException:
@@ -109,6 +149,92 @@ def set_rng_state(
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
+# --------------------------------------------------------------------------- checksums
+def sha256_file(path: str) -> str:
+    """The SHA-256 of the file at `path` (hex), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files_under(ckpt: str) -> list[str]:
+    """Every file under `ckpt` except the checksum list, as sorted '/'-separated paths relative
+    to it."""
+    out = []
+    for parent, _, files in os.walk(ckpt):
+        for f in files:
+            rel = os.path.relpath(os.path.join(parent, f), ckpt).replace(os.sep, "/")
+            if rel != CHECKSUMS:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_checksums(ckpt: str) -> None:
+    """Write `ckpt`/SHA256SUMS: the SHA-256 of every other file under `ckpt`, one
+    `<hex>  <relative path>` line each (what `sha256sum` writes and `sha256sum -c` checks)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = _files_under(ckpt)
+    with ThreadPoolExecutor(max_workers=4) as pool:  # hashlib releases the GIL on large reads
+        digests = list(pool.map(lambda rel: sha256_file(os.path.join(ckpt, rel)), files))
+    path = os.path.join(ckpt, CHECKSUMS)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(f"{h}  {rel}\n" for h, rel in zip(digests, files))
+    _fsync_file(path)
+
+
+def read_checksums(ckpt: str) -> dict[str, str] | None:
+    """relative path -> SHA-256 from `ckpt`/SHA256SUMS, or None when there is no such file (a
+    checkpoint of a fastrl that did not write one). A malformed list raises CorruptCheckpoint."""
+    path = os.path.join(ckpt, CHECKSUMS)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(path, f"unreadable ({type(e).__name__}: {e})") from e
+    sums = {}
+    for i, line in enumerate(lines, 1):
+        digest, sep, rel = line.partition("  ")
+        if not sep or not rel or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
+            raise CorruptCheckpoint(path, f"line {i} is not '<sha256 hex>  <file>': {line[:80]!r}")
+        sums[rel] = digest
+    return sums
+
+
+def verify_checksums(
+    ckpt: str, sums: dict[str, str], files: list[str] | None = None
+) -> list[CorruptCheckpoint]:
+    """The files of checkpoint `ckpt` (relative paths; None: every one in `sums`) that are
+    missing or whose SHA-256 is no longer the one in `sums`, as CorruptCheckpoint errors naming
+    them (empty: all intact). A file not in `sums` is not checked."""
+    bad = []
+    for rel in sorted(sums) if files is None else files:
+        if rel not in sums:
+            continue
+        path = os.path.join(ckpt, *rel.split("/"))
+        if not os.path.isfile(path):
+            bad.append(CorruptCheckpoint(path, "missing (listed in SHA256SUMS)"))
+            continue
+        try:
+            got = sha256_file(path)
+        except OSError as e:
+            bad.append(CorruptCheckpoint(path, f"unreadable ({type(e).__name__}: {e})"))
+            continue
+        if got != sums[rel]:
+            bad.append(
+                CorruptCheckpoint(
+                    path,
+                    f"SHA-256 mismatch: the file changed after it was saved (expected "
+                    f"{sums[rel][:16]}..., found {got[:16]}...; disk or copy corruption)",
+                )
+            )
+    return bad
+
+
 # --------------------------------------------------------------------------- save / load
 def save_checkpoint(
     root: str,
@@ -117,8 +243,9 @@ def save_checkpoint(
     optim_state: dict,
     state: dict,
     rank_states: list[dict] | None = None,
-    keep: int = 2,
+    keep: int | None = 2,
     export=None,
+    log: Callable[[str], None] | None = None,
 ) -> str:
     """Write checkpoint `step` under `root` atomically; return its directory.
 
@@ -128,9 +255,16 @@ def save_checkpoint(
     torch.save can write (optimizer + scheduler); state: JSON (step, config, RNG of rank 0);
     rank_states: one JSON RNG state per rank (distributed runs); export: a callable that writes
     more files into the directory it is given (the checkpoint's, before it is complete: the
-    Hugging Face export `hf/`), so they are part of the atomic rename."""
+    Hugging Face export `hf/`), so they are part of the atomic rename. Every file's SHA-256 goes
+    into SHA256SUMS, and modes follow the umask (see the module docstring).
+
+    keep: how many checkpoints of this run to keep, the new one included (None or 0: all); older
+    ones (lower steps) are deleted after the new one is complete, each named through `log`.
+    Directories of higher steps (left by a run that a resume fell back from) are not counted
+    and are replaced when the run reaches their step."""
     from safetensors.torch import save_file, save_model
 
+    umask = current_umask()
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step-{step:06d}")
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-step-")
@@ -159,8 +293,10 @@ def save_checkpoint(
             export(tmp)
         path = os.path.join(tmp, "state.json")
         with open(path, "w") as f:
-            json.dump(state, f)
+            json.dump({**state, "checksums": CHECKSUMS}, f)
         _fsync_file(path)
+        write_checksums(tmp)
+        _apply_umask(tmp, umask)
         _fsync_dir(tmp)
         if os.path.exists(final):  # a re-save of the same step: move the old one aside first
             old = final + ".old"
@@ -175,21 +311,38 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_json_atomic(os.path.join(root, LATEST), {"step": step, "dir": os.path.basename(final)})
-    # prune older complete checkpoints, keeping the newest `keep`
-    done = sorted(d for d in os.listdir(root) if d.startswith("step-") and "." not in d)
-    for d in done[:-keep]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    if keep:  # prune the oldest complete checkpoints before this one
+        older = [d for d in _step_dirs(root) if _step_number(d) < step]
+        for d in older[: max(0, len(older) - (keep - 1))]:
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            if log is not None:
+                log(
+                    f"removed checkpoint {os.path.join(root, d)} (keeping the newest {keep}: "
+                    "--save-total-limit)"
+                )
     return final
 
 
+def _step_number(name: str) -> int:
+    """The step of a `step-NNNNNN` directory name (a huge number for any other name, so that
+    pruning never picks it)."""
+    try:
+        return int(name[len("step-") :])
+    except ValueError:
+        return 2**63
+
+
 def _step_dirs(root: str) -> list[str]:
-    """Names of the finished checkpoint directories under `root`, oldest first."""
+    """Names of the finished checkpoint directories under `root`, oldest (lowest step) first."""
     if not os.path.isdir(root):
         return []
     return sorted(
-        d
-        for d in os.listdir(root)
-        if d.startswith("step-") and "." not in d and os.path.isdir(os.path.join(root, d))
+        (
+            d
+            for d in os.listdir(root)
+            if d.startswith("step-") and "." not in d and os.path.isdir(os.path.join(root, d))
+        ),
+        key=lambda d: (_step_number(d), d),
     )
 
 
@@ -264,9 +417,13 @@ def _optim_tensors(obj, prefix: str = "") -> dict:
 def load_checkpoint(ckpt: str, models: dict, device) -> tuple[dict, dict]:
     """Load weights into `models` (name -> module); return (optimizer state, JSON state).
 
-    Raises CorruptCheckpoint naming the file when one is missing, truncated or malformed, or
-    holds non-finite weights or optimizer state. The models may then be partly overwritten:
-    load another checkpoint into them (every tensor is replaced) or discard them."""
+    Raises CorruptCheckpoint naming the file when one is missing, truncated or malformed, holds
+    non-finite weights or optimizer state, or (after those checks, which name the more specific
+    problem) a file of the checkpoint's top level, i.e. one that resuming reads, no longer has
+    the SHA-256 of its SHA256SUMS; a checkpoint whose state.json says it has a SHA256SUMS but
+    that lacks one is corrupt too. Files in subdirectories (the Hugging Face export) are not
+    checked here: see `verify_checksums`. The models may then be partly overwritten: load
+    another checkpoint into them (every tensor is replaced) or discard them."""
     from safetensors.torch import load_model
 
     path = os.path.join(ckpt, "state.json")
@@ -296,6 +453,19 @@ def load_checkpoint(ckpt: str, models: dict, device) -> tuple[dict, dict]:
     bad = _nonfinite(_optim_tensors(optim_state))
     if bad:
         raise CorruptCheckpoint(path, f"non-finite optimizer state in {', '.join(bad[:3])}")
+    sums = read_checksums(ckpt)
+    if sums is None and state.get("checksums"):
+        raise CorruptCheckpoint(
+            os.path.join(ckpt, CHECKSUMS), "missing (state.json says the checkpoint has one)"
+        )
+    if sums is not None:
+        top = [rel for rel in sorted(sums) if "/" not in rel]
+        for name in ("state.json", "optimizer.pt", *(f"{n}.safetensors" for n in models)):
+            if name not in sums:
+                raise CorruptCheckpoint(os.path.join(ckpt, CHECKSUMS), f"does not list {name}")
+        bad = verify_checksums(ckpt, sums, top)
+        if bad:
+            raise bad[0]
     return optim_state, state
 
 

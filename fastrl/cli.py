@@ -23,8 +23,8 @@ import textwrap
 from pathlib import Path
 
 from . import __version__
-from . import config as config_module
-from .config import TrainConfig
+from .train import config as config_module
+from .train.config import TrainConfig
 
 # options that may differ when resuming (everything else comes from the run's config.json)
 RESUME_OVERRIDABLE = (

@@ -2,8 +2,8 @@
 sampler, then the log-probs of pi_old and pi_ref from one no-grad forward each.
 
 Also here: loading a local model (`load_model`) and the embedded default, a tiny random-init
-Qwen2 decoder over a character-level tokenizer shipped as `fastrl/assets/tokenizer.json`
-(`default_model`). Nothing here downloads anything.
+Qwen2 decoder over a character-level tokenizer shipped in `fastrl/assets/` (`default_model`,
+`default_tokenizer`). Nothing here downloads anything.
 
 Shapes: B prompts, G samples each, N = B * G sequences, P padded prompt length, T generated
 length (<= max_new_tokens), V vocabulary.
@@ -28,31 +28,46 @@ CHARS = "0123456789+-*=[]()., ?:abcdefghijklmnopqrstuvwxyz"
 
 
 # --------------------------------------------------------------------------- tokenizer / models
-def build_char_tokenizer(path: str = TOKENIZER_FILE) -> None:
-    """Write the character-level tokenizer of the embedded model (one token per character of
-    CHARS, plus <pad>, <eos>, <unk>) as a `tokenizers` JSON file."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_char_tokenizer(directory: str = ASSETS) -> None:
+    """Write the embedded model's tokenizer (tokenizer.json, tokenizer_config.json) into
+    `directory`: one token per character of CHARS (ids 3...), after <pad>, <eos>, <unk>.
 
-    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *CHARS])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(path)
+    It is a Qwen2Tokenizer (byte-level BPE, Qwen's pre-tokenizer, NFC) whose vocabulary holds
+    just those characters, in the byte-level alphabet (a space is `Ġ`), and no merges. That is
+    deliberate: for a `qwen2` model directory, transformers 5 `AutoTokenizer` always builds a
+    Qwen2Tokenizer from the saved vocabulary and ignores any other pipeline in tokenizer.json,
+    so an export of the embedded model reloads token for token only with this tokenizer (a
+    plain character tokenizer reloaded that way dropped every space). Like every Qwen2Tokenizer
+    it has no unknown token: a character outside CHARS is dropped, the same when training and
+    after reloading an export (`fastrl train` refuses a task that uses one with the embedded
+    model). Needs transformers >= 5; the files ship with the package."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    chars = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=UNK,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=None,
+        padding_side="left",
+    )
+    tok.save_pretrained(directory)
 
 
 def default_tokenizer():
-    """The embedded character-level tokenizer as a PreTrainedTokenizerFast (offline)."""
-    from transformers import PreTrainedTokenizerFast
+    """The embedded character-level tokenizer, loaded the way `AutoTokenizer` loads it from an
+    export of the embedded model (offline), so that the two give the same ids for every string.
+    """
+    from transformers import AutoTokenizer
 
-    if not os.path.isfile(TOKENIZER_FILE):  # pragma: no cover - the file ships with the package
+    if not os.path.isfile(TOKENIZER_FILE):  # pragma: no cover - the files ship with the package
         build_char_tokenizer()
-    return PreTrainedTokenizerFast(
-        tokenizer_file=TOKENIZER_FILE,
-        pad_token=PAD,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="left",
-    )
+    return AutoTokenizer.from_pretrained(ASSETS, local_files_only=True, padding_side="left")
 
 
 def default_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):

@@ -44,13 +44,13 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt_io
-from .config import TrainConfig
 from .rewards import MAX_ABS_REWARD, RewardError, RewardScorer
 from .rollout import eos_ids, lm_head_fusable
 from .tasks import get_task
 from .train.algos import ValueModel
 from .train.build import BuildMixin
 from .train.common import Batch, TrainingError, all_reduce, gather_floats, rank_world
+from .train.config import TrainConfig
 from .train.rollout_phase import RolloutMixin
 from .train.runlog import RunLog, plot_curves, read_metrics, tensorboard_writer_class
 from .train.runlog import truncate_metrics as _truncate_metrics

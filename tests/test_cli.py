@@ -10,7 +10,7 @@ import pytest
 from tiny_run import TINY
 
 from fastrl.cli import build_parser, main
-from fastrl.config import TrainConfig
+from fastrl.train.config import TrainConfig
 
 
 def test_help_lists_every_option(capsys):

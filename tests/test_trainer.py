@@ -12,8 +12,8 @@ import torch
 
 from fastrl import checkpoint as ckpt_io
 from fastrl.advantages import group_advantages
-from fastrl.config import TrainConfig
 from fastrl.rollout import generate, sequence_logprobs
+from fastrl.train.config import TrainConfig
 from fastrl.trainer import Batch, Trainer, read_metrics
 
 TIMING = {

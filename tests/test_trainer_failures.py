@@ -19,8 +19,8 @@ from tiny_run import TINY
 
 from fastrl import checkpoint as ckpt_io
 from fastrl.cli import main
-from fastrl.config import TrainConfig
 from fastrl.rewards import MAX_HUNG_CALLS, RewardError, RewardScorer, resolve_reward, score
+from fastrl.train.config import TrainConfig
 from fastrl.trainer import Trainer, TrainingError, read_metrics
 
 

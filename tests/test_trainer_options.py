@@ -13,10 +13,11 @@ import tiny_run
 import torch
 
 from fastrl.cli import main
-from fastrl.config import PRESETS, TrainConfig
+from fastrl.config import PRESETS
 from fastrl.rollout import Rollout
 from fastrl.train import algos
 from fastrl.train.build import lr_factor
+from fastrl.train.config import TrainConfig
 from fastrl.trainer import Trainer, read_metrics
 
 

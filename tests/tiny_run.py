@@ -2,7 +2,7 @@
 warm-up, 4 new tokens (seconds on a CPU). Imported by the test modules (pytest puts tests/ on
 sys.path)."""
 
-from fastrl.config import TrainConfig
+from fastrl.train.config import TrainConfig
 
 TINY_FIELDS = dict(
     model_hidden=32,

@@ -31,10 +31,13 @@ class BuildMixin:
             self._owns_pg = True
 
     def close(self):
-        """Tear down the process group this trainer created (torchrun runs).
+        """Stop the reward worker process, and tear down the process group this trainer created
+        (torchrun runs).
 
         The DDP wrappers go first: a DDP reducer that outlives its process group can abort the
         process at exit ("terminate called without an active exception")."""
+        if getattr(self, "scorer", None) is not None:
+            self.scorer.close()
         if getattr(self, "train_policy", None) is not self.policy:
             self.train_policy, self.train_critic = self.policy, self.critic
             gc.collect()
@@ -93,14 +96,18 @@ class BuildMixin:
             model = rollout.default_model(
                 len(tok), self.cfg.seed, self.cfg.model_hidden, self.cfg.model_layers
             )
-        # every character of the task must be in the embedded vocabulary
-        sample = self.task.eval_examples(50, self.cfg.seed) + self.eval_set[:50]
-        text = "".join(e.prompt + self.task.target(e) for e in sample)
+        # every character of the task must be in the embedded vocabulary: the tokenizer drops
+        # any other (it has no unknown token, as AutoTokenizer reloads it from an export), so
+        # every line of a .jsonl task and of the eval set is checked, not a sample
+        task, cfg = self.task, self.cfg
+        lines = task.examples if isinstance(task, JsonlTask) else task.eval_examples(50, cfg.seed)
+        text = "".join(e.prompt + task.target(e) for e in [*lines, *self.eval_set])
         missing = sorted(set(text) - set(CHARS))
         if missing:
             raise ValueError(
                 f"task {self.cfg.task!r} uses characters {missing} that the embedded model's "
-                f"tokenizer lacks (it has {CHARS!r}); pass --model with a local HF model"
+                f"tokenizer lacks (it has {CHARS!r}; it would drop them); pass --model with a "
+                "local HF model"
             )
         return model, tok
 

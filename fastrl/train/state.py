@@ -113,7 +113,9 @@ class StateMixin:
                 self._optim_state(),
                 state,
                 rank_states if self.world > 1 else None,
+                keep=self.cfg.save_total_limit,
                 export=lambda d: self.export_hf(os.path.join(d, HF_DIR), policy_sd),
+                log=self.log,
             )
         if self.world > 1:
             dist.barrier()
@@ -187,6 +189,18 @@ class StateMixin:
             raise ckpt_io.CorruptCheckpoint(path, f"bad RNG state ({type(e).__name__}: {e})") from e
         self.step = state["step"]
         self.log(f"resumed from {ckpt} at step {self.step}")
+        self._check_export(ckpt)
+
+    def _check_export(self, ckpt: str) -> None:
+        """Say what resuming from `ckpt` could not verify: a checkpoint without SHA256SUMS (an
+        older fastrl's), or files of its Hugging Face export whose SHA-256 changed (resuming does
+        not read them, so the run goes on; the next checkpoint writes a fresh export)."""
+        sums = ckpt_io.read_checksums(ckpt)  # parsed fine in load_checkpoint
+        if sums is None:
+            self.log(f"note: {ckpt} has no {ckpt_io.CHECKSUMS} (an older fastrl's): not verified")
+            return
+        for e in ckpt_io.verify_checksums(ckpt, sums, [r for r in sorted(sums) if "/" in r]):
+            self._warn(f"warning: {e} (an export of the checkpoint resumed from; do not use it)")
 
     # ------------------------------------------------------------------ stopping for a reward
     def _rng_snapshot(self):

@@ -1,0 +1,345 @@
+"""`TrainConfig`: every option of the minimal trainer (`fastrl train`), one dataclass field per CLI
+flag. The loss library's own configuration (`LossConfig`) is `fastrl.config`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..config import PRESETS, _is_real
+
+ALGOS = ("ppo", "grpo", "dapo")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+TRAIN_DTYPES = ("auto", "fp32", "bf16")
+REPORT_TO = ("none", "tensorboard")
+
+
+@dataclass
+class TrainConfig:
+    """Every option of the minimal trainer (`fastrl train`); each field is a CLI flag
+    (`batch_size` -> `--batch-size`) whose help text is the field's docstring. The defaults are
+    the embedded default run, which learns on a CPU in minutes. Checked by `validate()` before
+    anything is loaded or trained."""
+
+    algo: str = "grpo"
+    """Algorithm: `ppo` (policy + critic, GAE on token rewards, clipped value loss), `grpo` (G
+    samples per prompt, group advantages, k3 KL to a frozen reference) or `dapo` (clip-higher,
+    global token-mean, dynamic sampling, overlong shaping and filtering, no KL / reference)."""
+
+    loss: str | None = None
+    """The LossConfig preset of the policy loss: ppo, grpo, dapo, dr_grpo, gspo or cispo (None:
+    the preset named like --algo). --algo chooses the pipeline (rollout, advantages, critic),
+    --loss the loss on it; a preset with a KL term (grpo) loads a frozen reference."""
+
+    model: str | None = None
+    """A local Hugging Face causal LM directory (save_pretrained output). None: the embedded
+    tiny random-init Qwen2 with the packaged character tokenizer (nothing is downloaded)."""
+
+    task: str = "add"
+    """A built-in task (`add`: the sum of two numbers from 0 to 49, `47+38=` -> `85`, exact
+    answer; `add_format`: the same with a format + answer reward; `arith`: addition and
+    subtraction of numbers from 0 to 99; `add_small`: single digits) or a .jsonl file of
+    {"prompt", "answer"} lines."""
+
+    reward: str | None = None
+    """Reward function for the task: a built-in name (exact_match, last_number, bracket_format)
+    or `module:function` taking (completion, answer) -> float, where the module is importable
+    from the current directory (as with `python -m`) or sys.path. None: the task's own. A call
+    that raises, hangs past --reward-timeout, or returns a non-number, a non-finite number or
+    |r| > 1e6 scores 0 and is counted (the first of each kind is printed with its traceback, and
+    each step with failures prints a warning); SystemExit / KeyboardInterrupt raised by it stop
+    the run with a checkpoint."""
+
+    eval_file: str | None = None
+    """A .jsonl file of {"prompt", "answer"} lines to evaluate on (held-out data). None: built-in
+    tasks evaluate on a fixed set drawn from a stream disjoint from training; a .jsonl task holds
+    out --eval-split of its lines (never trained on)."""
+
+    eval_split: float = 0.1
+    """A .jsonl task without --eval-file: the fraction of its lines (seeded shuffle, at most
+    --eval-size) held out for evaluation and never trained on. 0: evaluate on the first
+    --eval-size training lines (then eval accuracy is training accuracy)."""
+
+    reward_timeout: float = 5.0
+    """Seconds one reward call may take; a longer call scores 0 and is counted as a timeout.
+    A module:function reward runs in a worker process (its module imported again there), which
+    is killed and restarted when a call runs past the limit: any call is stopped, also one that
+    holds the GIL (a pure-Python loop, a catastrophically backtracking regex); 5 timeouts in a
+    row stop the run with an error. The built-in rewards, and from Python a reward callable
+    that another process cannot import by name (a lambda, a closure, a function of __main__),
+    run in a thread instead, where a call that holds the GIL cannot be stopped (it stalls the
+    run) and a timed-out call keeps running in the background (more than 4 at once stop the
+    run). 0: no limit, calls run in the main thread (for reward functions that need it, e.g.
+    ones that use signals)."""
+
+    steps: int = 100
+    """Number of RL steps (one rollout batch each, then `epochs` passes of updates)."""
+
+    batch_size: int = 32
+    """Prompts per RL step across all ranks (each gets `group_size` samples)."""
+
+    group_size: int = 8
+    """Samples per prompt (G). Must be >= 2 for grpo and dapo (group advantages)."""
+
+    lr: float = 1e-3
+    """Peak AdamW learning rate of the policy."""
+
+    lr_schedule: str = "constant"
+    """Learning-rate schedule after the linear warm-up: `constant`, `linear` (to 0 at the last
+    optimizer step) or `cosine` (to 0 at the last optimizer step)."""
+
+    max_new_tokens: int = 6
+    """Longest completion, in tokens (EOS included). Must be >= 1."""
+
+    seed: int = 0
+    """Seed of everything: model init, task sampling, rollout sampling, shuffling."""
+
+    out: str = "runs/fastrl"
+    """Output directory: config.json, metrics.jsonl, curves.png and checkpoints/."""
+
+    resume: str | None = None
+    """Resume from this output directory's last complete checkpoint (the run continues exactly
+    as if uninterrupted; the other options are taken from its config.json)."""
+
+    force: bool = False
+    """Start a fresh run in an --out directory that already holds a run (config.json,
+    metrics.jsonl or checkpoints/), deleting that run's files. Without it such a directory is
+    refused (unless --resume points at it)."""
+
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
+    cuda:LOCAL_RANK."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts; the loss uses the same (training log-probs then
+    match the sampler's)."""
+
+    top_k: int | None = None
+    """Rollout top-k sampling (None: off). The loss then uses the same truncation: every
+    log-prob (pi_old, pi_ref, the trained policy) is under the top-k / top-p truncated,
+    renormalised distribution of that model's own logits, with the sampled token always kept in
+    the support; for pi_old this equals the sampler's log-prob (metric sampler_logp_gap)."""
+
+    top_p: float | None = None
+    """Rollout nucleus (top-p) sampling in (0, 1] (None: off); the loss uses the same
+    truncation (see --top-k)."""
+
+    dtype: str = "auto"
+    """Compute precision: `fp32`, `bf16` (bf16 autocast of forwards, fp32 weights, optimizer
+    and loss; on CPU too, where it is usually slower) or `auto` (bf16 on CUDA, fp32 on CPU)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute the policy's (and critic's) activations in the backward (Hugging Face
+    gradient checkpointing): less memory, about 30% more compute per update."""
+
+    report_to: str = "none"
+    """`tensorboard`: also log every metric to OUT/tensorboard (needs the optional `tensorboard`
+    package: pip install "fastrl[tensorboard]"). metrics.jsonl is always written."""
+
+    epochs: int = 1
+    """K: passes over each rollout batch."""
+
+    minibatches: int = 2
+    """Optimizer steps per epoch: the rollout batch is shuffled and split into this many."""
+
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation; the loss normaliser is the token
+    / sequence count of the whole optimizer step across ranks)."""
+
+    warmup_steps: int = 5
+    """Linear learning-rate warm-up, in optimizer steps."""
+
+    max_grad_norm: float = 1.0
+    """Gradient clipping (global L2 norm)."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    kl_coef: float | None = None
+    """KL weight beta. grpo: k3 KL in the loss (None = 0.04). ppo: KL-in-reward shaping
+    coefficient (None = 0, no reference model). dapo: must be None or 0."""
+
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the loss."""
+
+    clip_low: float | None = None
+    """epsilon_low of the ratio clip (None: the algorithm's preset, 0.2)."""
+
+    clip_high: float | None = None
+    """epsilon_high of the ratio clip (None: the preset, 0.2; dapo 0.28)."""
+
+    gamma: float = 1.0
+    """ppo: discount of GAE."""
+
+    lam: float = 0.95
+    """ppo: lambda of GAE."""
+
+    critic_lr: float = 1e-3
+    """ppo: learning rate of the critic (a copy of the backbone with a fresh value head)."""
+
+    vf_coef: float = 0.5
+    """ppo: weight of the clipped value loss."""
+
+    value_clip: float = 0.2
+    """ppo: clip range of the value loss."""
+
+    max_gen_batches: int = 4
+    """dapo: most generation batches per step while dynamic sampling fills the batch."""
+
+    overlong_cache: int | None = None
+    """dapo: L_cache of the overlong reward shaping: the last L_cache tokens of the budget,
+    where the penalty ramps from 0 to -overlong_factor. |y| counts the generated tokens before
+    the EOS (the EOS itself is not length), so a response that ends with EOS within
+    max_new_tokens - L_cache tokens is never penalised. None: max_new_tokens // 5 (the DAPO
+    paper's 4096 of 20480), which is 0 (no shaping) below 5 tokens; 0 disables the shaping."""
+
+    overlong_factor: float = 1.0
+    """dapo: the largest overlong penalty."""
+
+    overlong_filter: bool = True
+    """dapo: truncated completions (no EOS) get loss mask 0."""
+
+    sft_steps: int | None = None
+    """Supervised warm-up steps before RL (0: none), on the task's warm-up examples (a .jsonl
+    task: its training lines). None: 1000 for the embedded default (built-in task, no --model),
+    0 otherwise (a user model or task starts RL from the model as given). On the built-in tasks
+    the warm-up imitates a sloppy teacher whose answer is one too high 75% of the time: that
+    teaches the format and most of the arithmetic but leaves greedy eval accuracy low (about
+    10%); RL on the exact-answer reward then does the lifting."""
+
+    sft_lr: float = 3e-3
+    """Learning rate of the supervised warm-up."""
+
+    sft_batch_size: int = 64
+    """Examples per supervised warm-up step."""
+
+    eval_every: int = 10
+    """Evaluate (greedy, on a fixed eval set) every this many steps, at step 0 and at the end."""
+
+    eval_size: int = 200
+    """Eval prompts (fixed, disjoint from the training stream for built-in tasks)."""
+
+    save_every: int = 50
+    """Write a checkpoint every this many steps (and at the end); 0: only at the end. Each
+    checkpoint holds a Hugging Face model directory, OUT/checkpoints/step-N/hf (save_pretrained
+    of the policy and tokenizer), that AutoModelForCausalLM.from_pretrained and --model load."""
+
+    save_total_limit: int | None = 2
+    """How many checkpoints to keep under OUT/checkpoints, the newest included (TRL's / HF
+    TrainingArguments' name): after each save the oldest are deleted, each deletion printed.
+    None or 0: keep every checkpoint."""
+
+    max_time: float = 0.0
+    """Stop after this many seconds of RL (checked after each step; evaluates and saves as at
+    the last step). 0: no limit, run --steps steps."""
+
+    fsdp: bool = False
+    """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard: each decoder
+    layer, then the whole model) across the torchrun ranks instead of replicating it with DDP.
+    The LM-head log-probs then come from the last hidden states through fastrl.linear_logprobs /
+    fused_linear_policy_loss (never the (n, T, V) logits; not with --top-k / --top-p).
+    Checkpoints hold the full weights and the Hugging Face export; an --fsdp run cannot be
+    resumed (start a new one with --model OUT/checkpoints/step-N/hf)."""
+
+    model_hidden: int = 64
+    """Embedded model only: hidden size."""
+
+    model_layers: int = 2
+    """Embedded model only: number of decoder layers."""
+
+    num_threads: int = 0
+    """CPU threads for torch (0: all cores of this process's share)."""
+
+    progress: bool = True
+    """Show a tqdm progress bar (reward, KL, entropy)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option and what to fix."""
+
+        def bad(name: str, expected: str) -> ValueError:
+            flag = "--" + name.replace("_", "-")
+            return ValueError(f"{flag}={getattr(self, name)!r} is invalid: expected {expected}")
+
+        if self.algo not in ALGOS:
+            raise bad("algo", "one of " + ", ".join(ALGOS))
+        for name in (
+            "steps",
+            "batch_size",
+            "epochs",
+            "minibatches",
+            "grad_accum",
+            "max_gen_batches",
+            "eval_every",
+            "eval_size",
+            "sft_batch_size",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "an integer >= 1")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise bad("max_new_tokens", "an integer >= 1")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise bad("group_size", "an integer >= 1")
+        if self.algo in ("grpo", "dapo") and self.group_size < 2:
+            raise bad("group_size", f">= 2 for {self.algo} (group advantages need 2+ samples)")
+        for name in ("warmup_steps", "sft_steps", "save_every", "num_threads", "overlong_cache"):
+            v = getattr(self, name)
+            if v is None and name in ("sft_steps", "overlong_cache"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad(name, "an integer >= 0")
+        for name, choices in (
+            ("lr_schedule", LR_SCHEDULES),
+            ("dtype", TRAIN_DTYPES),
+            ("report_to", REPORT_TO),
+        ):
+            if getattr(self, name) not in choices:
+                raise bad(name, "one of " + ", ".join(choices))
+        if self.loss is not None and self.loss not in PRESETS:
+            raise bad("loss", "None or a LossConfig preset: " + ", ".join(PRESETS))
+        if self.top_k is not None and (
+            not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1
+        ):
+            raise bad("top_k", "None or an integer >= 1")
+        if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
+            raise bad("top_p", "None or a number in (0, 1]")
+        if not _is_real(self.eval_split) or not 0 <= self.eval_split < 1:
+            raise bad("eval_split", "a fraction in [0, 1)")
+        if not _is_real(self.max_time) or not 0 <= self.max_time < math.inf:
+            raise bad("max_time", "a finite number of seconds >= 0 (0: no limit)")
+        for name in ("lr", "critic_lr", "max_grad_norm", "sft_lr"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or v <= 0:
+                raise bad(name, "a finite number > 0")
+        for name in ("weight_decay", "entropy_coef", "vf_coef", "overlong_factor"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or v < 0:
+                raise bad(name, "a finite number >= 0")
+        if not _is_real(self.temperature) or not self.temperature > 0:
+            raise bad("temperature", "a number > 0")
+        if not _is_real(self.reward_timeout) or not 0 <= self.reward_timeout < math.inf:
+            raise bad("reward_timeout", "a finite number of seconds >= 0 (0: no limit)")
+        if self.save_total_limit is not None and (
+            not isinstance(self.save_total_limit, int)
+            or isinstance(self.save_total_limit, bool)
+            or self.save_total_limit < 0
+        ):
+            raise bad("save_total_limit", "None or an integer >= 0 (None / 0: keep every one)")
+        if self.kl_coef is not None and (not _is_real(self.kl_coef) or self.kl_coef < 0):
+            raise bad("kl_coef", "None or a number >= 0")
+        if self.algo == "dapo" and self.kl_coef:
+            raise bad("kl_coef", "None or 0 for dapo (DAPO has no KL term and no reference)")
+        if (
+            self.algo == "dapo"
+            and self.overlong_cache is not None
+            and self.overlong_cache >= self.max_new_tokens
+        ):
+            raise bad("overlong_cache", f"< max_new_tokens = {self.max_new_tokens}")
+        if self.batch_size * self.group_size < self.minibatches * self.grad_accum:
+            raise bad("minibatches", "minibatches * grad_accum <= batch_size * group_size")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise bad("gamma", "gamma and lam in [0, 1]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

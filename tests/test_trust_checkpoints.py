@@ -1,0 +1,225 @@
+"""What `fastrl train` writes can be trusted: a checkpoint corrupted in place (same size, still
+parseable) is never resumed from silently (SHA256SUMS); an export reloads with the tokenizer the
+model was trained with, token for token; checkpoints get the modes of the umask, not owner-only
+ones; and old checkpoints are removed only as --save-total-limit says, each removal printed."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+
+import pytest
+import tiny_run
+import torch
+
+from fastrl import checkpoint as ckpt_io
+from fastrl.cli import main
+from fastrl.rollout import load_model
+from fastrl.train.config import TrainConfig
+from fastrl.trainer import Trainer, read_metrics
+
+
+def tiny(out, **kw) -> TrainConfig:
+    return tiny_run.tiny(out, **{"eval_every": 100, **kw})
+
+
+def ckpt_dirs(out) -> list[str]:
+    return sorted(d for d in os.listdir(out / "checkpoints") if d.startswith("step-"))
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """A finished 2-step run with checkpoints at steps 1 and 2 (copied by each test)."""
+    out = tmp_path_factory.mktemp("pristine") / "run"
+    Trainer(tiny(out, steps=2, save_every=1), log=lambda *a: None).train()
+    return out
+
+
+def _overwrite_4k_in_the_middle(path) -> None:
+    """Zero 4 KiB in the middle of `path` (weights): same size, still parseable, finite."""
+    size = path.stat().st_size
+    assert size > 3 * 4096, size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        assert f.read(4096) != b"\0" * 4096  # the bytes change
+        f.seek(size // 2)
+        f.write(b"\0" * 4096)
+    assert path.stat().st_size == size
+
+
+# ----------------------------------------------------------------------- checksums
+def test_a_same_size_corruption_is_never_resumed_from(two_step_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    _overwrite_4k_in_the_middle(out / "checkpoints" / "step-000002" / "policy.safetensors")
+    rc = main(["train", "--resume", str(out), "--steps", "3", "--progress", "false"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "step-000002/policy.safetensors: SHA-256 mismatch" in text, text
+    assert "fell back to" in text and "step-000001 at step 1" in text
+    assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2, 3]
+    # the list is sha256sum's format (`sha256sum -c` checks a copy by hand), of every file
+    step3 = out / "checkpoints" / "step-000003"
+    if shutil.which("sha256sum"):
+        subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=step3, check=True)
+    listed = (step3 / "SHA256SUMS").read_text().splitlines()
+    assert {line.split("  ", 1)[1] for line in listed} >= {
+        "state.json",
+        "optimizer.pt",
+        "policy.safetensors",
+        "ref.safetensors",
+        "hf/model.safetensors",
+        "hf/config.json",
+        "hf/tokenizer.json",
+    }
+
+
+def test_no_intact_checkpoint_refuses_and_a_missing_list_is_corruption(
+    two_step_run, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    _overwrite_4k_in_the_middle(out / "checkpoints" / "step-000002" / "ref.safetensors")
+    (out / "checkpoints" / "step-000001" / "SHA256SUMS").unlink()  # state.json says it had one
+    rc = main(["train", "--resume", str(out), "--steps", "3", "--progress", "false"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "no intact checkpoint to resume from" in err
+    assert "step-000002/ref.safetensors: SHA-256 mismatch" in err
+    assert "step-000001/SHA256SUMS: missing" in err
+
+
+def test_a_corrupt_export_is_called_out_but_the_training_state_resumes(
+    two_step_run, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    _overwrite_4k_in_the_middle(out / "checkpoints" / "step-000002" / "hf" / "model.safetensors")
+    rc = main(["train", "--resume", str(out), "--steps", "3", "--progress", "false"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "step-000002 at step 2" in text  # resuming does not read the export
+    assert "warning: " in text and "step-000002/hf/model.safetensors: SHA-256 mismatch" in text
+
+
+# ----------------------------------------------------------------------- the export's tokenizer
+def test_the_export_reloads_the_training_tokenizer_token_for_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    task = tmp_path / "spaced.jsonl"
+    rows = [
+        {"prompt": f"what is {a} + {b} ? ", "answer": f"{a + b} ."}
+        for a in range(6)
+        for b in (7, 30)
+    ]
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    t = Trainer(tiny(out, task=str(task), steps=1, eval_split=0.25), log=lambda *a: None)
+    t.train()
+    hf = str(out / "checkpoints" / "step-000001" / "hf")
+    auto = AutoTokenizer.from_pretrained(hf)
+    _, own = load_model(hf)  # what `fastrl train --model` loads
+    unknown = "Q: 3 + 4 = ?\tÉté!\n"  # upper case, a tab, accents, '!' and a newline: not in it
+    strings = [s for r in rows for s in (r["prompt"], r["answer"], r["prompt"] + r["answer"])]
+    for s in [*strings, "3 + 4 = ", "  ", unknown]:
+        ids = t.tok(s).input_ids
+        assert auto(s).input_ids == ids, (s, auto.convert_ids_to_tokens(auto(s).input_ids))
+        assert own(s).input_ids == ids, s
+        assert auto.decode(ids) == own.decode(ids) == t.tok.decode(ids)
+    assert len(t.tok("3 + 4 = ").input_ids) == 8  # spaces are tokens
+    for s in strings:  # every task string round-trips through the export
+        assert auto.decode(auto(s).input_ids) == s
+    assert (auto.pad_token_id, auto.eos_token_id, auto.padding_side) == (
+        t.tok.pad_token_id,
+        t.tok.eos_token_id,
+        "left",
+    )
+    # --model of the export trains on the same ids
+    again = Trainer(
+        tiny(tmp_path / "again", model=hf, task=str(task), steps=1), log=lambda *a: None
+    )
+    assert [again.tok(s).input_ids for s in strings] == [t.tok(s).input_ids for s in strings]
+
+
+def test_the_embedded_model_refuses_a_task_character_its_tokenizer_lacks(tmp_path):
+    task = tmp_path / "t.jsonl"
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(80)]
+    rows[70]["prompt"] = "Seventy+1="  # past the first 50 lines: every line is checked
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"uses characters \['S'\]"):
+        Trainer(tiny(tmp_path / "run", task=str(task), eval_split=0.0), log=lambda *a: None)
+
+
+# ----------------------------------------------------------------------- file modes
+def test_checkpoints_get_the_modes_of_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "run"
+        Trainer(tiny(out, steps=1), log=lambda *a: None).train()
+    finally:
+        os.umask(old)
+    root = out / "checkpoints"
+    seen = {"dirs": 0, "files": 0}
+    for parent, _, files in os.walk(root):
+        assert stat.S_IMODE(os.stat(parent).st_mode) == 0o755, parent
+        seen["dirs"] += 1
+        for f in files:
+            path = os.path.join(parent, f)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, path
+            seen["files"] += 1
+    assert seen["dirs"] >= 3 and seen["files"] >= 8
+    assert stat.S_IMODE(os.stat(root / "step-000001" / "hf" / "model.safetensors").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(out / "config.json").st_mode) == 0o644
+
+
+def test_a_restrictive_umask_is_kept(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    old = os.umask(0o077)
+    try:
+        ckpt = ckpt_io.save_checkpoint(
+            str(tmp_path / "c"), 1, {"policy": model}, {"optimizer": {}, "scheduler": {}}, {}
+        )
+    finally:
+        os.umask(old)
+    modes = {stat.S_IMODE(os.stat(os.path.join(ckpt, f)).st_mode) for f in os.listdir(ckpt)}
+    assert modes == {0o600} and stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700
+
+
+# ----------------------------------------------------------------------- --save-total-limit
+def test_save_total_limit_keeps_the_newest_and_says_what_it_removes(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--steps", "3", "--save-every", "1", "--out", str(out), *tiny_run.TINY]
+    assert main(["train", "--save-total-limit", "1", *args]) == 0
+    text = capsys.readouterr().out
+    assert ckpt_dirs(out) == ["step-000003"]
+    removed = [line for line in text.splitlines() if line.startswith("removed checkpoint")]
+    assert len(removed) == 2, text
+    assert "step-000001" in removed[0] and "step-000002" in removed[1]
+    assert "keeping the newest 1" in removed[0]
+    # None and 0 keep every checkpoint, silently; the default keeps 2
+    for limit, kept in ((None, 3), (0, 3), (2, 2)):
+        lines = []
+        run = tmp_path / f"run-{limit}"
+        Trainer(tiny(run, steps=3, save_every=1, save_total_limit=limit), log=lines.append).train()
+        assert ckpt_dirs(run) == [f"step-00000{i}" for i in range(4 - kept, 4)], limit
+        assert sum(line.startswith("removed checkpoint") for line in lines) == 3 - kept
+    assert TrainConfig().save_total_limit == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="--save-total-limit="):
+            TrainConfig(save_total_limit=bad).validate()
+
+
+def test_pruning_spares_checkpoints_newer_than_the_one_saved(tmp_path):
+    """After a resume fell back past a corrupt newer checkpoint, saving step 3 removes the
+    oldest of steps 1-3 only: the leftover step 9 is not counted (it is replaced when the run
+    reaches step 9), so the intact step 2 is not pruned in its favour."""
+    root = tmp_path / "c"
+    model = torch.nn.Linear(3, 2)
+    optim = {"optimizer": {}, "scheduler": {}}
+    for step in (1, 2, 9):
+        ckpt_io.save_checkpoint(str(root), step, {"policy": model}, optim, {}, keep=None)
+    removed = []
+    ckpt_io.save_checkpoint(str(root), 3, {"policy": model}, optim, {}, keep=2, log=removed.append)
+    assert sorted(os.listdir(root)) == ["latest", "step-000002", "step-000003", "step-000009"]
+    assert len(removed) == 1 and "step-000001" in removed[0]
