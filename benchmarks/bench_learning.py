@@ -40,7 +40,7 @@ QUICK = ["--model-hidden", "32", "--model-layers", "1", "--batch-size", "4", "--
 def warm_start(path: Path, task: str, sft_steps: int, quick: bool) -> float:
     """Warm up the embedded model on `task` and export it to `path`; its eval accuracy."""
     from fastrl.train.config import TrainConfig
-    from fastrl.trainer import Trainer
+    from fastrl.train.trainer import Trainer
 
     kw = dict(model_hidden=32, model_layers=1, sft_batch_size=8) if quick else {}
     cfg = TrainConfig(

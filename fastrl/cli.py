@@ -447,8 +447,8 @@ def resume_command(out: str, world: int) -> str:
 
 def _stopped_message(trainer, e: BaseException) -> str:
     """What `fastrl train` says when a signal stopped it (Interrupted or Aborted)."""
-    from . import checkpoint as ckpt_io
-    from .trainer import Interrupted
+    from .train import checkpoint as ckpt_io
+    from .train.trainer import Interrupted
 
     cfg = trainer.cfg
     signum = getattr(e, "signum", None)
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(ns.script_args)
     try:
         cfg = config_from_args(ns)
-        from .trainer import Trainer
+        from .train.trainer import Trainer
 
         trainer = Trainer(cfg)
     except ValueError as e:
@@ -495,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastrl train: interrupted while loading; nothing was written", file=sys.stderr)
         return 130
-    from .rewards import RewardError
-    from .trainer import Interrupted, TrainingError
+    from .train.rewards import RewardError
+    from .train.trainer import Interrupted, TrainingError
 
     try:
         trainer.train()
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     if trainer.rank == 0:
-        from .trainer import read_metrics
+        from .train.trainer import read_metrics
 
         recs = read_metrics(os.path.join(cfg.out, "metrics.jsonl"))
         evals = [r for r in recs if "eval_accuracy" in r]

@@ -4,7 +4,7 @@ EOS, loading a saved model through fastrl's loader."""
 import pytest
 import torch
 
-from fastrl.rollout import (
+from fastrl.train.rollout import (
     Rollout,
     default_model,
     default_tokenizer,

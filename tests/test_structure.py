@@ -32,3 +32,23 @@ def test_no_production_module_imports_the_oracle():
         if p.name != "reference.py" and "fastrl.reference" in _imports(p)
     ]
     assert not offenders, f"production modules importing fastrl.reference: {offenders}"
+
+
+def test_the_library_never_imports_the_trainer():
+    """The loss library (top level of fastrl/, kernels/, integrations/) is imported by the
+    trainer (fastrl/train/, fastrl/cli.py), never the reverse."""
+    library = [p for p in (ROOT / "fastrl").glob("*.py") if p.name != "cli.py"]
+    library += list((ROOT / "fastrl" / "integrations").glob("*.py"))
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.startswith("fastrl.train"))
+        for p in library
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"library modules importing the trainer: {offenders}"
+
+
+def test_the_trainer_lives_in_its_house():
+    """Rollout, tasks, rewards, checkpoints and the Trainer are in fastrl/train/ only."""
+    for name in ("rollout", "tasks", "rewards", "checkpoint", "trainer"):
+        assert not (ROOT / "fastrl" / f"{name}.py").exists(), name
+        assert (ROOT / "fastrl" / "train" / f"{name}.py").exists(), name

@@ -10,11 +10,11 @@ import pytest
 import tiny_run
 import torch
 
-from fastrl import checkpoint as ckpt_io
 from fastrl.advantages import group_advantages
-from fastrl.rollout import generate, sequence_logprobs
+from fastrl.train import checkpoint as ckpt_io
 from fastrl.train.config import TrainConfig
-from fastrl.trainer import Batch, Trainer, read_metrics
+from fastrl.train.rollout import generate, sequence_logprobs
+from fastrl.train.trainer import Batch, Trainer, read_metrics
 
 TIMING = {
     "tokens_per_s",
@@ -222,8 +222,8 @@ def test_algorithm_learns(tmp_path, algo, steps):
 def test_rewards_and_tasks():
     import random
 
-    from fastrl.rewards import bracket_format, exact_match, last_number, resolve_reward, score
-    from fastrl.tasks import get_task
+    from fastrl.train.rewards import bracket_format, exact_match, last_number, resolve_reward, score
+    from fastrl.train.tasks import get_task
 
     assert exact_match(" 85 ", "85") == 1.0 and exact_match("86", "85") == 0.0
     assert bracket_format("[85]", "85") == 1.0

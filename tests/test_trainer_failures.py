@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_run import TINY
 
-from fastrl import checkpoint as ckpt_io
 from fastrl.cli import main
-from fastrl.rewards import MAX_HUNG_CALLS, RewardError, RewardScorer, resolve_reward, score
+from fastrl.train import checkpoint as ckpt_io
 from fastrl.train.config import TrainConfig
-from fastrl.trainer import Trainer, TrainingError, read_metrics
+from fastrl.train.rewards import MAX_HUNG_CALLS, RewardError, RewardScorer, resolve_reward, score
+from fastrl.train.trainer import Trainer, TrainingError, read_metrics
 
 
 def tiny(out, **kw) -> TrainConfig:
@@ -248,7 +248,7 @@ def test_a_hanging_reward_call_times_out(reward_module, tmp_path):
 
 
 EXITING = """
-from fastrl.rewards import exact_match
+from fastrl.train.rewards import exact_match
 calls = [0]
 
 def exits(completion, answer):

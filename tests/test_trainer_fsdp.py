@@ -80,7 +80,7 @@ def test_fsdp_run_trains_checkpoints_and_exports(algo, dtype, tmp_path):
 
 def test_fsdp_needs_torchrun(tmp_path):
     from fastrl.train.config import TrainConfig
-    from fastrl.trainer import Trainer
+    from fastrl.train.trainer import Trainer
 
     with pytest.raises(ValueError, match="torchrun"):
         Trainer(TrainConfig(fsdp=True, out=str(tmp_path)))

@@ -14,11 +14,11 @@ import torch
 
 from fastrl.cli import main
 from fastrl.config import PRESETS
-from fastrl.rollout import Rollout
 from fastrl.train import algos
 from fastrl.train.build import lr_factor
 from fastrl.train.config import TrainConfig
-from fastrl.trainer import Trainer, read_metrics
+from fastrl.train.rollout import Rollout
+from fastrl.train.trainer import Trainer, read_metrics
 
 
 def tiny(out, **kw) -> TrainConfig:
@@ -174,7 +174,7 @@ def test_top_k_top_p_loss_on_the_same_truncated_distribution(tmp_path, trunc):
     assert st["sampler_gap"] < 1e-4
     assert torch.isfinite(batch.old_logp).all()
     # without the truncation they would differ (the truncated distribution is renormalised)
-    from fastrl.rollout import sequence_logprobs
+    from fastrl.train.rollout import sequence_logprobs
 
     full = sequence_logprobs(t.policy, batch.rollout)
     m = batch.rollout.completion_mask

@@ -20,7 +20,7 @@ datasets = pytest.importorskip("datasets")
 
 import fastrl  # noqa: E402
 import fastrl.integrations.trl as fastrl_trl  # noqa: E402
-from fastrl.rollout import default_model, default_tokenizer  # noqa: E402
+from fastrl.train.rollout import default_model, default_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import pytest
 import tiny_run
 import torch
 
-from fastrl import checkpoint as ckpt_io
 from fastrl.cli import main
-from fastrl.rollout import load_model
+from fastrl.train import checkpoint as ckpt_io
 from fastrl.train.config import TrainConfig
-from fastrl.trainer import Trainer, read_metrics
+from fastrl.train.rollout import load_model
+from fastrl.train.trainer import Trainer, read_metrics
 
 
 def tiny(out, **kw) -> TrainConfig:

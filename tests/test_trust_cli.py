@@ -16,10 +16,10 @@ import tiny_run
 from tiny_run import TINY, TINY_FIELDS
 
 import fastrl
-from fastrl import checkpoint as ckpt_io
 from fastrl.cli import build_parser, config_from_args, main
-from fastrl.tasks import get_task
-from fastrl.trainer import Trainer, read_metrics
+from fastrl.train import checkpoint as ckpt_io
+from fastrl.train.tasks import get_task
+from fastrl.train.trainer import Trainer, read_metrics
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 

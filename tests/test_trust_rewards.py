@@ -13,8 +13,8 @@ import time
 import pytest
 from tiny_run import TINY
 
-from fastrl.rewards import MAX_HUNG_CALLS, RewardError, RewardScorer, exact_match
-from fastrl.trainer import read_metrics
+from fastrl.train.rewards import MAX_HUNG_CALLS, RewardError, RewardScorer, exact_match
+from fastrl.train.trainer import read_metrics
 
 REWARDS = '''
 import os

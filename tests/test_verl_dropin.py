@@ -24,7 +24,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import fastrl  # noqa: E402
 import fastrl.integrations.verl as fastrl_verl  # noqa: E402
-from fastrl.rollout import default_model  # noqa: E402
+from fastrl.train.rollout import default_model  # noqa: E402
 
 MODES = ["vanilla", "gspo", "sapo", "cispo", "gpg"]
 AGGS = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",

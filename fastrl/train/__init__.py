@@ -1,4 +1,4 @@
-"""The pieces of `fastrl.trainer.Trainer`, one module per stage of the data flow:
+"""The pieces of `fastrl.train.trainer.Trainer`, one module per stage of the data flow:
 
 - `build`: distributed setup, device, model, loss config, optimizer and schedule, DDP / FSDP2;
 - `rollout_phase`: supervised warm-up, generation, scoring, evaluation (`collect`, `evaluate`);

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from ..advantages import dynamic_sampling_filter, gae, group_advantages, overlong_penalty, whiten
-from ..rollout import Rollout
 from .common import Batch, gather_rows
 from .config import TrainConfig
+from .rollout import Rollout
 
 
 # --------------------------------------------------------------------------- grpo / dapo

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import LossConfig
-from ..rollout import CHARS, load_model
-from ..tasks import BUILTIN_TASKS, JsonlTask, load_jsonl
+from .rollout import CHARS, load_model
+from .tasks import BUILTIN_TASKS, JsonlTask, load_jsonl
 
 DEFAULT_SFT_STEPS = 1000
 """Supervised warm-up steps of the embedded default (built-in task, no --model)."""
@@ -89,7 +89,7 @@ class BuildMixin:
         return self._embedded() if embedded else load_model(cfg.model, seed=cfg.seed)
 
     def _embedded(self):
-        from .. import rollout
+        from . import rollout
 
         model, tok = load_model(None, seed=self.cfg.seed)
         if self.cfg.model_hidden != 64 or self.cfg.model_layers != 2:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..rollout import Rollout
+from .rollout import Rollout
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png")
 """What a run writes under --out (a directory holding any of them holds a run)."""

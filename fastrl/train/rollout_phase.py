@@ -9,10 +9,10 @@ import time
 import torch
 
 from ..losses import logprobs
-from ..rollout import Rollout, forward_completion_logits, generate, left_pad, sequence_logprobs
-from ..tasks import Example
 from . import algos
 from .common import Batch
+from .rollout import Rollout, forward_completion_logits, generate, left_pad, sequence_logprobs
+from .tasks import Example
 
 
 class RolloutMixin:

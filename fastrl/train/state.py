@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt_io
-from ..rewards import RewardError
+from . import checkpoint as ckpt_io
 from .common import RUN_FILES, TrainingError
+from .rewards import RewardError
 
 HF_DIR = "hf"
 """The Hugging Face model directory inside each checkpoint (save_pretrained of model + tok)."""

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from ..linear import fused_linear_policy_loss
 from ..losses import policy_loss, value_loss
-from ..rollout import completion_hidden, forward_completion_logits, truncate_like_sampler
 from .common import Batch, TrainingError, all_reduce
+from .rollout import completion_hidden, forward_completion_logits, truncate_like_sampler
 
 # summed per update (token-weighted where it says n_tok): the one host read holds these
 SUMS = (

@@ -1,4 +1,4 @@
-"""One reward call, and the worker process that `fastrl.rewards.RewardScorer` runs reward
+"""One reward call, and the worker process that `fastrl.train.rewards.RewardScorer` runs reward
 functions in so that a call past the timeout can be stopped (the process is killed), even one
 that holds the GIL (a pure-Python loop, a catastrophically backtracking regex).
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .losses import logprobs
-from .sampling import sample, truncate_logits
+from ..losses import logprobs
+from ..sampling import sample, truncate_logits
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 TOKENIZER_FILE = os.path.join(ASSETS, "tokenizer.json")
@@ -399,7 +399,7 @@ def sequence_logprobs(
         idx = torch.arange(s, min(s + chunk, N), device=rollout.completion_ids.device)
         tokens = rollout.completion_ids[idx]
         if lm_head:
-            from .linear import linear_logprobs
+            from ..linear import linear_logprobs
 
             hidden, head = completion_hidden(model, rollout, idx)
             w = head.weight

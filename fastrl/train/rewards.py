@@ -502,7 +502,7 @@ class _WorkerDied(RuntimeError):
 
 
 class _Worker:
-    """A reward worker process (see fastrl/_reward_worker.py) and this end of its pipes."""
+    """A reward worker process (see fastrl/train/_reward_worker.py) and this end of its pipes."""
 
     def __init__(self, module: str, qualname: str, path: list[str]):
         req_r, req_w = os.pipe()

@@ -12,7 +12,7 @@ and never downloads anything:
 - `arith`: addition and subtraction of operands in 0..99, exact-answer reward.
 
 A user task is a JSONL file, one `{"prompt": ..., "answer": ...}` object per line, scored by a
-built-in reward name or a `module:function` (see `fastrl.rewards`).
+built-in reward name or a `module:function` (see `fastrl.train.rewards`).
 
 `eval_accuracy` counts a completion as correct when its reward is >= 1 (the full reward of every
 built-in reward function).

@@ -3,7 +3,7 @@
 One RL step (`Trainer._loop`, top to bottom):
 1. rollout and scoring (fastrl/train/rollout_phase.py): `batch_size` prompts (split across
    ranks) x `group_size` samples with a KV cache, rewards from the task's reward function
-   (`fastrl.rewards.RewardScorer`: failures score 0, are counted and shown); dapo adds the
+   (`fastrl.train.rewards.RewardScorer`: failures score 0, are counted and shown); dapo adds the
    overlong shaping and keeps generating until dynamic sampling has filled the batch or
    `max_gen_batches` is reached; then pi_old (and pi_ref when the loss has a KL term, or ppo's
    KL shaping) log-probs, one no-grad forward each;
@@ -44,18 +44,18 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt_io
+from .algos import ValueModel
+from .build import BuildMixin
+from .common import Batch, TrainingError, all_reduce, gather_floats, rank_world
+from .config import TrainConfig
 from .rewards import MAX_ABS_REWARD, RewardError, RewardScorer
 from .rollout import eos_ids, lm_head_fusable
+from .rollout_phase import RolloutMixin
+from .runlog import RunLog, plot_curves, read_metrics, tensorboard_writer_class
+from .runlog import truncate_metrics as _truncate_metrics
+from .state import HF_DIR, StateMixin
 from .tasks import get_task
-from .train.algos import ValueModel
-from .train.build import BuildMixin
-from .train.common import Batch, TrainingError, all_reduce, gather_floats, rank_world
-from .train.config import TrainConfig
-from .train.rollout_phase import RolloutMixin
-from .train.runlog import RunLog, plot_curves, read_metrics, tensorboard_writer_class
-from .train.runlog import truncate_metrics as _truncate_metrics
-from .train.state import HF_DIR, StateMixin
-from .train.update import UpdateMixin
+from .update import UpdateMixin
 
 # step totals summed over ranks (one all-reduce per step)
 TOTALS = (
