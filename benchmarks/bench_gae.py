@@ -14,7 +14,7 @@ Reported: median and q20/q80 time (ms), speedup of the median over the loop, pea
 call above the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
 benchmarks/_common.py; CUDA: max_memory_allocated). On CPU both methods use --threads torch
 threads (default: all cores; pass 1 when the machine is shared with other jobs).
-Results: benchmarks/results/bench_gae_<device>.{json,csv,png}.
+Results: <out>/bench_gae_<device>.{json,csv,png} (--out, default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -104,6 +104,11 @@ def main() -> None:
         help="torch CPU threads for both methods (default: all cores; 1 on a shared machine)",
     )
     p.add_argument("--skip-loop", action="store_true")
+    p.add_argument(
+        "--out",
+        default=str(RESULTS_DIR),
+        help="results folder (default benchmarks/results/); files bench_gae_<device>.*",
+    )
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_child:
@@ -170,9 +175,9 @@ def main() -> None:
         else "RSS high-water mark delta in a child with MALLOC_MMAP_THRESHOLD_=65536",
     )
     name = f"bench_gae_{torch.device(args.device).type}"
-    paths = write_results(name, rows, meta)
+    paths = write_results(name, rows, meta, Path(args.out))
     png = plot_bars(
-        RESULTS_DIR / f"{name}.png",
+        Path(args.out) / f"{name}.png",
         rows,
         "method",
         [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")],

@@ -13,7 +13,7 @@ Methods (τ = 0.7, no truncation unless named):
 Reported: median and q20/q80 time (ms), speedup of the median over the baseline, peak memory of
 one call above the inputs (CPU: RSS high-water mark in a child process with
 MALLOC_MMAP_THRESHOLD_=65536, see benchmarks/_common.py; CUDA: max_memory_allocated).
-Results: benchmarks/results/bench_sample_<device>.{json,csv,png}.
+Results: <out>/bench_sample_<device>.{json,csv,png} (--out, default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ def main() -> None:
     )
     p.add_argument("--rep", type=int, default=None, help="timed calls (CPU) / ms (CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--out",
+        default=str(RESULTS_DIR),
+        help="results folder (default benchmarks/results/); files bench_sample_<device>.*",
+    )
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     cuda = torch.device(args.device).type == "cuda"
@@ -149,9 +154,9 @@ def main() -> None:
         else "RSS high-water mark delta in a child with MALLOC_MMAP_THRESHOLD_=65536",
     )
     name = f"bench_sample_{torch.device(args.device).type}"
-    paths = write_results(name, rows, meta)
+    paths = write_results(name, rows, meta, Path(args.out))
     png = plot_bars(
-        RESULTS_DIR / f"{name}.png",
+        Path(args.out) / f"{name}.png",
         rows,
         "method",
         [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")],

@@ -303,14 +303,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--readme-path", default=str(ROOT / "README.md"), help="the README that --readme rewrites"
     )
+    parser.add_argument(
+        "--blocks",
+        default=",".join(BLOCKS),
+        help=f"comma list of the blocks to print / rewrite, from {','.join(BLOCKS)} (default: "
+        "all); the others are left as they are",
+    )
     args = parser.parse_args(argv)
+    blocks = [b for b in args.blocks.split(",") if b]
+    unknown = sorted(set(blocks) - set(BLOCKS))
+    if unknown:
+        raise SystemExit(f"--blocks: unknown {unknown}; choose from {list(BLOCKS)}")
     if not args.readme:
-        for block in BLOCKS:
+        for block in blocks:
             print(tables(block, Path(args.results)))
         return
     readme = Path(args.readme_path)
     body = readme.read_text()
-    for block in BLOCKS:
+    for block in blocks:
         start, end = f"<!-- {block}:start -->", f"<!-- {block}:end -->"
         if start not in body or end not in body:
             raise SystemExit(f"README.md has no {start} ... {end} block")

@@ -1,0 +1,713 @@
+"""The whole GPU run in one command: the GPU tests, the kernel compile check, every benchmark, one
+summary (and the README tables on request).
+
+    python benchmarks/run_all.py --out benchmarks/results --readme   # on a CUDA machine
+    python benchmarks/run_all.py --out /tmp/run --quick              # CPU smoke run (~3-4 min)
+
+Stages, in order, each a subprocess with its own timeout (a failed or timed-out stage is reported
+and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
+  pytest-gpu      python -m pytest -m gpu tests/ (junit XML in <out>/pytest_gpu.xml); without a
+                  CUDA device every test skips, and the summary says so
+  compile-check   python -m fastrl.kernels.compile_check --json (<out>/compile_check.json): every
+                  Triton kernel compiled for sm_80 / sm_90a at every launch configuration
+  policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 32000 and 151936,
+                  bf16
+  fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16
+  gae             bench_gae.py: B = 512, T = 8192 (on CUDA with --device cuda)
+  sample          bench_sample.py: N = 256, V = 151936 (bf16 on CUDA)
+  trl-step        bench_trl_step.py: one optimizer step of fastrl.integrations.trl.GRPOTrainer vs
+                  trl.GRPOTrainer on a tiny local Qwen2
+  readme          (only with --readme) report.py --readme --results <out>
+With --quick every benchmark runs its own --quick mode (or small shapes) on the CPU; pytest -m gpu
+and the compile check run as they are. Without CUDA and without --quick the benchmarks run at
+their CPU default shapes (the README's CPU tables; tens of minutes on a small machine).
+
+Every benchmark writes <out>/<bench>_<device>.{json,csv,png} with the machine, versions and git
+commit in its meta. Then <out>/summary.json and <out>/summary.md: per stage passed / failed /
+skipped and seconds, pytest's pass / fail / skip counts, the headline ratios read from the
+results files (fastrl vs trl-eager for the policy loss, x GEMM floor for the fused linear loss,
+speed-ups for gae, the sampler and the TRL step; % of the HBM roofline where the results carry
+it, i.e. the policy loss on CUDA) and which baselines ran or were skipped and why. Nothing in the
+summary is computed here beyond reading those files. Exit status 0 when no stage failed.
+
+Baselines whose package is missing (importlib.util.find_spec) are skipped and reported: liger
+(liger_kernel: --no-liger to both loss benchmarks), verl (--no-verl to the policy loss); trl is
+the baseline of the policy-loss, fused-linear and trl-step stages (and datasets of trl-step), so
+without it those stages are skipped. Installs nothing; needs no network. The full run's shapes
+and repetitions are chosen to fit in about 20 minutes on one H100 (an estimate: it has not run on
+a GPU yet); the stage timeouts total more (see --timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+RESULTS_DIR = BENCH / "results"
+PY = sys.executable
+
+# optional baselines: name -> (module find_spec looks for, what hiding it does)
+BASELINES = {
+    "liger": ("liger_kernel", "Liger-Kernel rows of policy-loss (CUDA only) and fused-linear"),
+    "verl": ("verl", "the verl-eager row of policy-loss"),
+    "trl": ("trl", "the baseline of policy-loss, fused-linear and trl-step: those stages"),
+    "datasets": ("datasets", "trl-step (GRPOTrainer takes a datasets.Dataset)"),
+}
+STAGES = (
+    "pytest-gpu",
+    "compile-check",
+    "policy-loss",
+    "fused-linear",
+    "gae",
+    "sample",
+    "trl-step",
+    "readme",
+)
+# seconds: (full run on CUDA, --quick on CPU)
+TIMEOUTS = {
+    "pytest-gpu": (420, 300),
+    "compile-check": (600, 600),
+    "policy-loss": (480, 240),
+    "fused-linear": (360, 240),
+    "gae": (180, 120),
+    "sample": (180, 120),
+    "trl-step": (300, 180),
+    "readme": (120, 120),
+}
+
+
+@dataclass
+class Stage:
+    name: str
+    cmd: list[str] | None = None  # None: skipped
+    why_skipped: str = ""
+    stdout_to: Path | None = None  # a file for the child's stdout (the rest goes to the log)
+    results: list[str] = field(default_factory=list)  # result stems it must write
+    status: str = "skipped"
+    seconds: float = 0.0
+    rc: int | None = None
+    detail: str = ""
+    log_tail: str = ""
+
+
+def available(skip: set[str]) -> dict[str, str | None]:
+    """baseline -> None when importable and not hidden, else why it is not."""
+    out = {}
+    for name, (module, _) in BASELINES.items():
+        if name in skip:
+            out[name] = "hidden with --skip"
+        elif importlib.util.find_spec(module) is None:
+            out[name] = f"`{module}` not importable"
+        else:
+            out[name] = None
+    return out
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch is required
+        return False
+
+
+def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
+    """The stages with their commands (or the reason they are skipped)."""
+    out, quick = Path(args.out), args.quick
+    dev = "cuda" if cuda else "cpu"
+    common = ["--out", str(out)]
+    no_liger = ["--no-liger"] if missing["liger"] else []
+    stages = []
+
+    s = Stage("pytest-gpu")
+    if importlib.util.find_spec("pytest") is None:
+        s.why_skipped = "`pytest` not importable"
+    else:
+        s.cmd = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+        s.cmd += ["-o", "junit_family=xunit2", "--junitxml", str(out / "pytest_gpu.xml")]
+        s.cmd += [str(ROOT / "tests")]
+    stages.append(s)
+
+    s = Stage("compile-check", stdout_to=out / "compile_check.json")
+    s.cmd = [PY, "-m", "fastrl.kernels.compile_check", "--json"]
+    stages.append(s)
+
+    s = Stage("policy-loss", results=[f"bench_policy_loss_{dev}"])
+    if missing["trl"]:
+        s.why_skipped = f"its baseline trl-eager needs trl ({missing['trl']})"
+    else:
+        s.cmd = [PY, str(BENCH / "bench_policy_loss.py"), *common, "--no-progress"]
+        s.cmd += ["--device", dev]
+        if quick:
+            s.cmd += ["--quick", "--dtype", "fp32"]
+        elif cuda:
+            s.cmd += ["--shapes", "128x128x32000,128x128x151936", "--dtype", "bf16"]
+            s.cmd += ["--warmup", "25", "--rep", "100"]
+        s.cmd += no_liger + (["--no-verl"] if missing["verl"] else [])
+    stages.append(s)
+
+    s = Stage("fused-linear", results=[f"bench_fused_linear_{dev}"])
+    if missing["trl"]:
+        s.why_skipped = f"its baselines (TRL's loss and chunked head) need trl ({missing['trl']})"
+    else:
+        s.cmd = [PY, str(BENCH / "bench_fused_linear.py"), *common, "--no-progress"]
+        s.cmd += ["--device", dev]
+        if quick:
+            s.cmd += ["--quick", "--dtype", "fp32"]
+        elif cuda:
+            s.cmd += ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16"]
+            s.cmd += ["--warmup", "25", "--rep", "100"]
+        s.cmd += no_liger
+    stages.append(s)
+
+    s = Stage("gae", results=[f"bench_gae_{dev}"])
+    s.cmd = [PY, str(BENCH / "bench_gae.py"), *common, "--device", dev]
+    if quick:
+        s.cmd += ["--B", "64", "--T", "1024", "--rep", "5", "--loop-rep", "2"]
+    stages.append(s)
+
+    s = Stage("sample", results=[f"bench_sample_{dev}"])
+    s.cmd = [PY, str(BENCH / "bench_sample.py"), *common, "--device", dev]
+    if quick:
+        s.cmd += ["--N", "32", "--V", "8192", "--rep", "5"]
+    stages.append(s)
+
+    s = Stage("trl-step", results=[f"bench_trl_step_{dev}"])
+    if missing["trl"] or missing["datasets"]:
+        s.why_skipped = f"needs trl and datasets ({missing['trl'] or missing['datasets']})"
+    else:
+        s.cmd = [PY, str(BENCH / "bench_trl_step.py"), *common, "--device", dev]
+        s.cmd += ["--quick"] if quick else []
+    stages.append(s)
+
+    if args.readme:
+        stages.append(Stage("readme", cmd=readme_cmd(args)))
+
+    wanted = set(args.stages.split(",")) if args.stages else set(STAGES)
+    for s in stages:
+        if s.name not in wanted:
+            s.cmd, s.why_skipped = None, "not in --stages"
+        if s.cmd is None:
+            s.detail = f"skipped: {s.why_skipped}"
+    return stages
+
+
+def readme_cmd(args) -> list[str]:
+    """report.py --readme on <out>: the bench block, and the train / learning blocks only where
+    <out> has their files (the README keeps the others as they are)."""
+    out = Path(args.out)
+    blocks = ["bench"]
+    blocks += ["train"] if (out / "train_summary.json").exists() else []
+    blocks += ["learning"] if (out / "learning.json").exists() else []
+    cmd = [PY, str(BENCH / "report.py"), "--readme", "--results", str(out)]
+    return cmd + ["--blocks", ",".join(blocks), "--readme-path", str(args.readme_path)]
+
+
+def child_env() -> dict:
+    """os.environ without TRITON_INTERPRET (set by the test harness on CPU machines: compiled
+    kernels on CUDA, the CPU paths otherwise, and the compile check needs it unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = env.get("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def run_stage(s: Stage, timeout: float, logs: Path) -> None:
+    log = logs / f"{s.name}.log"
+    if s.name == "pytest-gpu":
+        (logs.parent / "pytest_gpu.xml").unlink(missing_ok=True)  # no stale counts
+    wall_start = time.time()
+    start = time.perf_counter()
+    with open(log, "w") as logf:
+        logf.write("$ " + " ".join(s.cmd) + "\n")
+        logf.flush()
+        out = open(s.stdout_to, "w") if s.stdout_to else logf
+        try:
+            proc = subprocess.Popen(
+                s.cmd,
+                cwd=ROOT,
+                env=child_env(),
+                stdout=out,
+                stderr=logf,
+                start_new_session=True,  # its own process group: a timeout ends all of it
+            )
+            try:
+                s.rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                s.rc = None
+                s.detail = f"timed out after {timeout:g} s"
+        finally:
+            if s.stdout_to:
+                out.close()
+    s.seconds = time.perf_counter() - start
+    if s.rc is not None and s.rc != 0:
+        s.detail = f"exit status {s.rc}"
+    missing = [r for r in s.results if not _written_since(logs.parent / f"{r}.json", wall_start)]
+    if s.rc == 0 and missing:
+        s.rc, s.detail = -1, f"wrote no {', '.join(m + '.json' for m in missing)}"
+    s.status = "passed" if s.rc == 0 else "failed"
+    if s.status == "failed":
+        lines = log.read_text(errors="replace").replace("\r", "\n").splitlines()
+        s.log_tail = "\n".join([ln for ln in lines if ln.strip()][-15:])
+
+
+# ---------------------------------------------------------------- reading the results
+
+
+def _written_since(path: Path, t: float) -> bool:
+    try:
+        return path.stat().st_mtime >= t - 1.0
+    except OSError:
+        return False
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pytest_counts(xml_path: Path) -> dict | None:
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors")}
+    total["skipped"] = sum(int(s.get("skipped", 0)) for s in suites)
+    total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    return total
+
+
+def _f(v, fmt="{:.2f}x") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
+    """The headline ratios, each read from a results file (benchmark, case, what, value, % HBM
+    roofline, file, this_run: False when the file is older than this run, i.e. its stage did
+    not rewrite it)."""
+    dev = "cuda" if cuda else "cpu"
+    rows: list[dict] = []
+
+    def add(bench, case, what, value, roofline, file):
+        fresh = _written_since(out / file, since)
+        rows.append(
+            dict(
+                bench=bench,
+                case=case,
+                what=what,
+                value=value,
+                roofline=roofline,
+                file=file,
+                this_run=fresh,
+            )
+        )
+
+    path = out / f"bench_policy_loss_{dev}.json"
+    data = _load(path)
+    for r in (data or {}).get("rows", []):
+        if r["method"] in ("fastrl", "fastrl-inplace", "liger"):
+            case = f"N={r['N']} V={r['V']} {r['dtype']}"
+            roof = r.get("pct_bw") if cuda else None
+            roof_text = (
+                "n/a (CPU)"
+                if not cuda
+                else "n/a (unknown peak bandwidth)"
+                if roof is None
+                else f"{roof:.1f}%"
+            )
+            add(
+                "policy-loss",
+                case,
+                f"{r['method']} vs trl-eager (fwd+bwd)",
+                r.get("speedup_vs_trl_eager"),
+                roof_text,
+                path.name,
+            )
+    path = out / f"bench_fused_linear_{dev}.json"
+    data = _load(path)
+    for r in (data or {}).get("rows", []):
+        if r["method"] in ("fastrl-fused-linear", "linear_logprobs+grpo", "liger-fused-linear"):
+            case = f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}"
+            add("fused-linear", case, f"{r['method']} x GEMM floor", r.get("x_gemm_floor"), "n/a",
+                path.name)  # fmt: skip
+    for bench, stem, method, key in [
+        ("gae", "bench_gae", "fastrl.gae", "speedup_vs_loop"),
+        ("sample", "bench_sample", "fastrl.sample", "speedup_vs_baseline"),
+    ]:
+        path = out / f"{stem}_{dev}.json"
+        data = _load(path)
+        for r in (data or {}).get("rows", []):
+            if r["method"] == method:
+                case = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r)
+                base = "the per-step loop" if bench == "gae" else "multinomial+log_softmax"
+                add(bench, case, f"{method} vs {base}", r.get(key), "n/a", path.name)
+    path = out / f"bench_trl_step_{dev}.json"
+    data = _load(path)
+    for r in (data or {}).get("rows", []):
+        if r.get("role") == "fastrl":
+            cfg = data["meta"].get("config", {})
+            case = (
+                f"batch {cfg.get('per_device_train_batch_size')}, "
+                f"{cfg.get('max_completion_length')} tokens, {cfg.get('dtype')}"
+            )
+            add("trl-step", case, "fastrl GRPOTrainer step vs trl", r.get("speedup_step_vs_trl"),
+                "n/a", path.name)  # fmt: skip
+            add("trl-step", case, "step minus generation vs trl", r.get("speedup_train_vs_trl"),
+                "n/a", path.name)  # fmt: skip
+    return rows
+
+
+def baseline_report(out: Path, cuda: bool, missing: dict[str, str | None]) -> dict[str, str]:
+    """Which optional baselines ran (a row in the results) or were skipped, and why."""
+    dev = "cuda" if cuda else "cpu"
+    pl = _load(out / f"bench_policy_loss_{dev}.json") or {}
+    fl = _load(out / f"bench_fused_linear_{dev}.json") or {}
+    pl_rows = {r["method"] for r in pl.get("rows", [])}
+    fl_rows = {r["method"] for r in fl.get("rows", [])}
+    notes = {**(pl.get("meta", {}).get("notes") or {}), **(fl.get("meta", {}).get("notes") or {})}
+
+    def status(row, rows, present, why_missing, extra=""):
+        if row in rows:
+            return "ran"
+        if why_missing:
+            return f"skipped: {why_missing}"
+        if row in notes:
+            return notes[row]
+        if not present:
+            return "not run (no results file)"
+        return f"not run{extra}"
+
+    return {
+        "trl-eager (policy-loss)": status("trl-eager", pl_rows, bool(pl), missing["trl"]),
+        "trl-eager-compiled (policy-loss)": status("trl-eager-compiled", pl_rows, bool(pl), None),
+        "verl-eager (policy-loss)": status("verl-eager", pl_rows, bool(pl), missing["verl"]),
+        "liger (policy-loss)": status(
+            "liger", pl_rows, bool(pl), missing["liger"], "" if cuda else " (CUDA only)"
+        ),
+        "matmul+trl-eager (fused-linear)": status(
+            "matmul+trl-eager", fl_rows, bool(fl), missing["trl"]
+        ),
+        "trl-chunked (fused-linear)": status("trl-chunked", fl_rows, bool(fl), missing["trl"]),
+        "liger-fused-linear (fused-linear)": status(
+            "liger-fused-linear", fl_rows, bool(fl), missing["liger"]
+        ),
+    }
+
+
+def results_files(out: Path) -> list[dict]:
+    files = []
+    for path in sorted(out.glob("bench_*.json")):
+        data = _load(path)
+        if not isinstance(data, dict) or "meta" not in data:
+            continue
+        meta = data["meta"]
+        stem = path.with_suffix("")
+        files.append(
+            {
+                "file": path.name,
+                "csv": stem.with_suffix(".csv").exists(),
+                "png": stem.with_suffix(".png").exists(),
+                "device": meta.get("device"),
+                "device_name": meta.get("device_name"),
+                "torch": meta.get("torch"),
+                "triton": meta.get("triton"),
+                "git_commit": meta.get("git_commit"),
+                "time_utc": meta.get("time_utc"),
+            }
+        )
+    return files
+
+
+def summarize(args, stages, cuda, gpu, missing, started, since, total_s) -> dict:
+    out = Path(args.out)
+    summary = {
+        "command": " ".join([Path(PY).name, *sys.argv]),
+        "mode": "quick (CPU, small shapes)"
+        if args.quick
+        else "full (CUDA shapes)"
+        if cuda
+        else "full without CUDA (CPU default shapes)",
+        "cuda": gpu,
+        "benchmark_device": "cuda" if cuda else "cpu",
+        "started_utc": started,
+        "total_s": round(total_s, 1),
+        "stages": [
+            {
+                "name": s.name,
+                "status": s.status,
+                "seconds": round(s.seconds, 1),
+                "detail": s.detail,
+                "log": f"logs/{s.name}.log" if s.cmd else None,
+                "command": " ".join(s.cmd) if s.cmd else None,
+                **({"log_tail": s.log_tail} if s.log_tail else {}),
+            }
+            for s in stages
+        ],
+        "pytest_gpu": None,
+        "compile_check": None,
+        "headlines": headlines(out, cuda, since),
+        "baselines": baseline_report(out, cuda, missing),
+        "hidden_or_missing_packages": {k: v for k, v in missing.items() if v},
+        "results_files": results_files(out),
+    }
+    by_name = {s["name"]: s for s in summary["stages"]}
+    counts = pytest_counts(out / "pytest_gpu.xml")
+    if counts is not None and by_name["pytest-gpu"]["status"] != "skipped":
+        counts["note"] = (
+            "no CUDA device: every gpu test skips" if not gpu else "on " + str(_gpu_name())
+        )
+        summary["pytest_gpu"] = counts
+        by_name["pytest-gpu"]["detail"] = "; ".join(
+            filter(
+                None,
+                [
+                    by_name["pytest-gpu"]["detail"],
+                    f"{counts['passed']} passed, {counts['failures'] + counts['errors']} failed, "
+                    f"{counts['skipped']} skipped" + ("" if gpu else " (no CUDA device)"),
+                ],
+            )
+        )
+    cc = _load(out / "compile_check.json")
+    if isinstance(cc, dict) and "ok" in cc and by_name["compile-check"]["status"] != "skipped":
+        summary["compile_check"] = {
+            k: cc.get(k)
+            for k in ("ok", "unique_configs", "compiles", "cached", "failed", "launcher_calls")
+        }
+        if not by_name["compile-check"]["detail"]:
+            by_name["compile-check"]["detail"] = (
+                f"{cc.get('unique_configs')} launch configurations, {cc.get('failed')} failed"
+            )
+    return summary
+
+
+def _commit(c) -> str:
+    c = str(c)
+    return c[:12] + ("-dirty" if c.endswith("-dirty") else "")
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def markdown(summary: dict) -> str:
+    lines = [
+        "# run_all summary",
+        "",
+        f"`{summary['command']}`: {summary['mode']}, started {summary['started_utc']}, "
+        f"{summary['total_s']:.0f} s in all.",
+        "",
+        "| stage | status | seconds | detail |",
+        "|---|---|---|---|",
+    ]
+    for s in summary["stages"]:
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {s['detail']} |")
+    pt = summary["pytest_gpu"]
+    lines += ["", "## pytest -m gpu", ""]
+    lines.append(
+        "no junit XML (the stage did not run or failed before writing it)"
+        if pt is None
+        else f"{pt['passed']} passed, {pt['failures']} failed, {pt['errors']} errors, "
+        f"{pt['skipped']} skipped ({pt['note']})."
+    )
+    cc = summary["compile_check"]
+    lines += ["", "## Kernel compile check (sm_80, sm_90a)", ""]
+    lines.append(
+        "no result"
+        if cc is None
+        else f"{'ok' if cc['ok'] else 'FAILED'}: {cc['unique_configs']} launch configurations "
+        f"from {cc['launcher_calls']} launcher calls, {cc['compiles']} compiles "
+        f"({cc['cached']} from the cache), {cc['failed']} failed."
+    )
+    lines += [
+        "",
+        "## Headline ratios (read from the results files)",
+        "",
+        *(
+            [
+                "Quick mode: tiny shapes on the CPU, where per-call overhead dominates; these "
+                "ratios check the plumbing, not the speed.",
+                "",
+            ]
+            if summary["mode"].startswith("quick")
+            else []
+        ),
+        "| benchmark | case | ratio | value | % of HBM roofline | from |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in summary["headlines"]:
+        old = "" if h["this_run"] else " (an earlier run: its stage did not rewrite it)"
+        lines.append(
+            f"| {h['bench']} | {h['case']} | {h['what']} | {_f(h['value'])} | {h['roofline']} | "
+            f"{h['file']}{old} |"
+        )
+    if not summary["headlines"]:
+        lines.append("| (no results files) | | | | | |")
+    lines += ["", "## Baselines", "", "| baseline | status |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in summary["baselines"].items()]
+    lines += [
+        "",
+        "## Results files",
+        "",
+        "| file | CSV | PNG | device | torch | triton | commit | time (UTC) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in summary["results_files"]:
+        lines.append(
+            f"| {f['file']} | {'yes' if f['csv'] else 'no'} | {'yes' if f['png'] else 'no'} | "
+            f"{f['device_name']} ({f['device']}) | {f['torch']} | {f['triton']} | "
+            f"{_commit(f['git_commit'])} | {f['time_utc']} |"
+        )
+    failed = [s for s in summary["stages"] if s.get("log_tail")]
+    if failed:
+        lines += ["", "## Failed stages: last lines of their logs"]
+        for s in failed:
+            lines += ["", f"`{s['log']}`:", "", "```", s["log_tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run_all.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="folder for every results file, the logs (<out>/logs/), pytest_gpu.xml, "
+        "compile_check.json, summary.json and summary.md (passed as --out to each benchmark; "
+        "use benchmarks/results to refresh the committed results)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke run: the benchmarks' --quick modes / small shapes, fp32, a tiny TRL "
+        "step; pytest -m gpu and the compile check as they are (about 2.5 minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--readme",
+        action="store_true",
+        help="last stage: rewrite the README's benchmark tables from <out> (report.py --readme "
+        "--results <out>; the train / learning blocks only where <out> has their files). The "
+        "bench block then shows only <out>'s results files, so use --out benchmarks/results",
+    )
+    p.add_argument(
+        "--readme-path",
+        default=str(ROOT / "README.md"),
+        help="the README --readme rewrites (default the repository's README.md)",
+    )
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="PKG",
+        help="hide an optional package as if it were not installed (repeat or comma list): "
+        + "; ".join(f"{k}: {v[1]}" for k, v in BASELINES.items())
+        + ". A package importlib.util.find_spec cannot find is skipped the same way",
+    )
+    p.add_argument(
+        "--stages",
+        default="",
+        help="comma list of the stages to run (default all): " + ",".join(STAGES),
+    )
+    p.add_argument(
+        "--timeout",
+        action="append",
+        default=[],
+        metavar="STAGE=SECONDS",
+        help="override a stage's timeout (repeatable); defaults, full / quick: "
+        + ", ".join(f"{k} {a} / {b} s" for k, (a, b) in TIMEOUTS.items())
+        + ". A stage past its timeout is killed and reported as failed; 0 fails it at once",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    skip = {x for item in args.skip for x in item.split(",") if x}
+    unknown = skip - set(BASELINES)
+    if unknown:
+        raise SystemExit(f"--skip: unknown {sorted(unknown)}; choose from {list(BASELINES)}")
+    timeouts = {k: float(v[1] if args.quick else v[0]) for k, v in TIMEOUTS.items()}
+    for item in args.timeout:
+        name, _, secs = item.partition("=")
+        if name not in TIMEOUTS or not secs:
+            raise SystemExit(f"--timeout: expected STAGE=SECONDS with STAGE in {list(STAGES)}")
+        timeouts[name] = float(secs)
+    bad = set(filter(None, args.stages.split(","))) - set(STAGES)
+    if bad:
+        raise SystemExit(f"--stages: unknown {sorted(bad)}; choose from {list(STAGES)}")
+
+    out = Path(args.out).resolve()
+    args.out = str(out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    gpu = has_cuda()
+    cuda = gpu and not args.quick  # --quick runs the benchmarks on the CPU even with a GPU
+    missing = available(skip)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    t0, wall0 = time.perf_counter(), time.time()
+    print(
+        f"run_all: {'quick (CPU)' if args.quick else 'full, CUDA' if cuda else 'full, no CUDA'}"
+        f" -> {out}",
+        file=sys.stderr,
+    )
+    for name, why in missing.items():
+        if why:
+            print(f"  {name}: {why}; skipping {BASELINES[name][1]}", file=sys.stderr)
+    stages = plan(args, cuda, missing)
+    n = len(stages)
+    for i, s in enumerate(stages, 1):
+        tag = f"[{i}/{n}] {s.name:14s}"
+        if s.cmd is None:
+            print(f"{tag} skipped ({s.why_skipped})", file=sys.stderr, flush=True)
+            continue
+        if s.name == "readme":  # its blocks depend on what the run wrote
+            s.cmd = readme_cmd(args)
+        print(
+            f"{tag} running (timeout {timeouts[s.name]:g} s, log {logs / s.name}.log) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        run_stage(s, timeouts[s.name], logs)
+        print(
+            f"{tag} {s.status} in {s.seconds:.1f} s{': ' + s.detail if s.detail else ''}"
+            f"  [{time.perf_counter() - t0:.0f} s elapsed]",
+            file=sys.stderr,
+            flush=True,
+        )
+    summary = summarize(args, stages, cuda, gpu, missing, started, wall0, time.perf_counter() - t0)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown(summary))
+    failed = [s.name for s in stages if s.status == "failed"]
+    print(
+        f"run_all: {len(failed)} failed stage(s){': ' + ', '.join(failed) if failed else ''}; "
+        f"{out / 'summary.md'} ({summary['total_s']:.0f} s)",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
