@@ -66,10 +66,7 @@ def reward_len(completions, **kwargs):
 
 
 def build_model(path: Path, hidden: int, layers: int) -> str:
-    try:
-        from fastrl.train.rollout import default_model, default_tokenizer
-    except ImportError:  # the module's older place
-        from fastrl.rollout import default_model, default_tokenizer
+    from fastrl.train.rollout import default_model, default_tokenizer
 
     tok = default_tokenizer()
     default_model(len(tok), seed=0, hidden=hidden, layers=layers).save_pretrained(path)

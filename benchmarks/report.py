@@ -221,6 +221,8 @@ def staleness(name: str, meta: dict) -> str | None:
     None when it is current (or git is unavailable)."""
     key = next((k for k in MEASURES if name.startswith(k)), None)
     commit = str(meta.get("git_commit") or "")
+    dirty = commit.endswith("-dirty")  # recorded with uncommitted edits on top of that commit
+    commit = commit.removesuffix("-dirty")
     if key is None or _git("rev-parse", "--git-dir") is None:
         return None
     if not commit or _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
@@ -230,7 +232,14 @@ def staleness(name: str, meta: dict) -> str | None:
         )
     changed = _git("rev-list", f"{commit}..HEAD", "--", *MEASURES[key])
     if not changed:
-        return None
+        return (
+            None
+            if not dirty
+            else (
+                f"(recorded at commit `{commit[:7]}` with uncommitted edits in the checkout; no "
+                "later commit changed the code it measures)"
+            )
+        )
     commits = changed.splitlines()
     return (
         f"**Stale:** recorded at commit `{commit[:7]}`; {len(commits)} later commit(s) changed "

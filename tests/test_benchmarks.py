@@ -175,5 +175,7 @@ def test_report_marks_a_table_older_than_its_code():
         "**Stale:**"
     )
     assert report.staleness("bench_policy_loss_cpu", {"git_commit": head}) is None
+    dirty = report.staleness("bench_policy_loss_cpu", {"git_commit": head + "-dirty"})
+    assert dirty.startswith("(recorded at commit") and "uncommitted" in dirty
     unknown = report.staleness("bench_gae_cpu", {"git_commit": "0" * 40})
     assert unknown.startswith("**Stale?**")
