@@ -10,10 +10,11 @@ The backend interface (the same names as the Triton launchers in fastrl/kernels/
   row_stats(logits, tokens, tau)              -> fp32 (B, T) logp, H, lse     (one exp per logit)
   row_grad_(logits, tokens, lse, H, g, h, tau, out)    SPEC 6's dL/dz from (g, h) into `out`
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
-and what only this backend has (the one-exp gradient-in-the-forward paths):
-  one_pass_(logits, tokens, tau, rows_grad_fn, out)    statistics and dL/dz in ONE pass, for a
-                                                       token-separable loss (g, h per chunk)
-  stats_e(...) then finish_(...)              the same in two passes (sequence-level options)
+  stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads)
+                                              statistics, then (g, h), then dL/dz into `out`: here
+                                              with one exp per logit, in ONE pass for a
+                                              token-separable loss (`one_pass_`, g and h per
+                                              chunk), else two (`stats_e`, then `finish_`)
 
 Gradient in the forward, with ONE exp per logit: pass 1 writes e = exp(z' - m) (z' = z / tau,
 m = max z') while it reduces the row (s = sum e, sum e (z' - m), z'_y); pass 2 turns e into dL/dz
@@ -377,6 +378,19 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
 
     for_chunks(N, V, out.device, body)
     return out
+
+
+def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None):
+    """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
+    `logits`) from (g, h) = grad_fn(logp, H) (all rows at once). `rows_grads`: None, or (for a
+    token-separable loss) a function returning rows_grad_fn(r0, r1, logp, H) -> (g, h) of rows
+    r0:r1 alone: then each chunk is finished in the pass that reduces it (`one_pass_`)."""
+    if rows_grads is not None:
+        return one_pass_(logits, tokens, temperature, rows_grads(), out)
+    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out)
+    g, h = grad_fn(logp, entropy)
+    finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
+    return logp, entropy
 
 
 def one_pass_(logits, tokens, temperature, rows_grad_fn, out):

@@ -166,7 +166,7 @@ def linear_token_stats(
     for s in range(0, active.numel(), chunk):
         idx = active[s : s + chunk]
         z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
-        out = ops._token_stats_impl(z[None], y.index_select(0, idx)[None], temperature)
+        out = ops._row_stats(z[None], y.index_select(0, idx)[None], temperature)
         for dst, val in zip(stats, out):
             dst.index_copy_(0, idx, val[0])
         del z
@@ -211,7 +211,7 @@ def linear_token_stats_backward(
         factor = _chain_factor(z, logit_scale, softcap)
         pick = lambda t, idx=idx: t.index_select(0, idx)[None]  # noqa: E731
         dz = z[None]  # dL/dz overwrites the logits (each row is read before it is written)
-        ops._grad_into(
+        ops._row_grad_(
             z[None], pick(y), pick(lse), pick(entropy), pick(g_all),
             None if h_all is None else pick(h_all), temperature, dz,
         )  # fmt: skip
@@ -301,7 +301,7 @@ def _linear_policy_grad(hidden, weight, bias, *args):
         y = tokens.reshape(-1)
         for idx in chunks:
             z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
-            for dst, val in zip((logp, entropy, lse), ops._token_stats_impl(
+            for dst, val in zip((logp, entropy, lse), ops._row_stats(
                     z[None], y.index_select(0, idx)[None], tau)):  # fmt: skip
                 dst.index_copy_(0, idx, val[0])
             del z

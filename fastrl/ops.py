@@ -21,7 +21,7 @@ Two ways through the (B, T, V) logits, both reading them once per use:
   need every row's statistics first: e goes to the gradient buffer, a second pass finishes it.
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
-  fastrl::token_stats(logits, tokens, temperature) -> (logp, entropy, lse)    # fp32 (B, T) x 3
+  fastrl::token_logprobs(logits, tokens, temperature, inplace) -> (logp, entropy, lse)  # (B, T)
   fastrl::token_stats_grad(logits, tokens, lse, entropy, g, h, temperature) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)
   fastrl::policy_loss_grad(logits, tokens, <per-token inputs>, config) -> (logp, H, grad)
@@ -90,70 +90,43 @@ def _check_v_contiguous(logits: Tensor) -> None:
         )
 
 
-@torch.library.custom_op("fastrl::token_stats", mutates_args=())
-def token_stats(
-    logits: Tensor, tokens: Tensor, temperature: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def _row_stats(logits: Tensor, tokens: Tensor, temperature: float):
     """(logp, entropy, lse), each fp32 (B, T), of logits (B, T, V) and tokens (B, T)."""
-    return _token_stats_impl(logits, tokens, temperature)
-
-
-def _token_stats_impl(logits, tokens, temperature):
     _check_v_contiguous(logits)
     return backend(logits.device).row_stats(logits, tokens, float(temperature))
 
 
-@token_stats.register_fake
-def _(logits, tokens, temperature):
-    B, T, _ = logits.shape
-    return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(3))
+def _row_grad_(logits, tokens, lse, entropy, g, h, temperature: float, out: Tensor) -> Tensor:
+    """SPEC 6's dL/dz of logits (B, T, V) written into `out` (may be `logits`) from the (B, T)
+    statistics (lse, entropy) and g, h (h None: 0)."""
+    return backend(logits.device).row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
 
 
-def _grad_into(logits, tokens, lse, entropy, g, h, temperature, out):
-    return backend(logits.device).row_grad_(
-        logits, tokens, lse, entropy, g, h, float(temperature), out
-    )
+def _define_grad_op(inplace: bool):
+    """fastrl::token_stats_grad -> dL/dz (B, T, V) in the logits' dtype, contiguous, or
+    (`inplace`) fastrl::token_stats_grad_, which overwrites `logits` with it: SPEC 6 from the
+    row statistics (lse, entropy) and g = grad_logp, h = grad_entropy (None: h = 0), all (B, T)."""
+    name = "fastrl::token_stats_grad" + ("_" if inplace else "")
+    logits_arg = "Tensor(a!) logits" if inplace else "Tensor logits"
+    args = "Tensor tokens, Tensor lse, Tensor entropy, Tensor g, Tensor? h, float temperature"
+    torch.library.define(name, f"({logits_arg}, {args}) -> {'()' if inplace else 'Tensor'}")
+
+    @torch.library.impl(name, "default")
+    def impl(logits, tokens, lse, entropy, g, h, temperature):
+        _check_v_contiguous(logits)
+        out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        _row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
+        return None if inplace else out
+
+    @torch.library.register_fake(name)
+    def fake(logits, *args):
+        return None if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    return getattr(torch.ops.fastrl, name.split("::")[1]).default
 
 
-@torch.library.custom_op("fastrl::token_stats_grad", mutates_args=())
-def token_stats_grad(
-    logits: Tensor,
-    tokens: Tensor,
-    lse: Tensor,
-    entropy: Tensor,
-    grad_logp: Tensor,
-    grad_entropy: Tensor | None,
-    temperature: float,
-) -> Tensor:
-    """dL/dz (B, T, V) in the logits' dtype, contiguous, from g = grad_logp and h = grad_entropy."""
-    _check_v_contiguous(logits)
-    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return _grad_into(logits, tokens, lse, entropy, grad_logp, grad_entropy, temperature, out)
-
-
-@token_stats_grad.register_fake
-def _(logits, tokens, lse, entropy, grad_logp, grad_entropy, temperature):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-
-@torch.library.custom_op("fastrl::token_stats_grad_", mutates_args=("logits",))
-def token_stats_grad_(
-    logits: Tensor,
-    tokens: Tensor,
-    lse: Tensor,
-    entropy: Tensor,
-    grad_logp: Tensor,
-    grad_entropy: Tensor | None,
-    temperature: float,
-) -> None:
-    """Like token_stats_grad, but overwrites `logits` with the gradient (in-place)."""
-    _check_v_contiguous(logits)
-    _grad_into(logits, tokens, lse, entropy, grad_logp, grad_entropy, temperature, logits)
-
-
-@token_stats_grad_.register_fake
-def _(logits, tokens, lse, entropy, grad_logp, grad_entropy, temperature):
-    return None
+token_stats_grad = _define_grad_op(inplace=False)
+token_stats_grad_ = _define_grad_op(inplace=True)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -161,8 +134,9 @@ def _(logits, tokens, lse, entropy, grad_logp, grad_entropy, temperature):
 def _token_logprobs_op(
     logits: Tensor, tokens: Tensor, temperature: float, inplace: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """token_stats plus an `inplace` flag that only its backward reads."""
-    return _token_stats_impl(logits, tokens, temperature)
+    """(logp, entropy, lse) fp32 (B, T) of logits (B, T, V); `inplace` is read by the backward
+    only (the gradient overwrites the logits)."""
+    return _row_stats(logits, tokens, temperature)
 
 
 @_token_logprobs_op.register_fake
@@ -291,33 +265,33 @@ def stats_and_grad_(
 ):
     """(logp, entropy) fp32 (B, T) of logits (B, T, V), and dL/dz written into `out` (B, T, V)
     (which may be `logits`), where (g, h) = token_grads(logp, entropy, x, weights) (see there).
-    One exp per logit on the torch path, in one pass over the logits when the loss is
-    token-separable (rows are finished chunk by chunk); stats + gradient kernels on Triton."""
+    The backend's `stats_and_grad_` does the passes: one exp per logit on the torch path, in one
+    pass over the logits when the loss is token-separable (then it finishes rows chunk by chunk
+    with `rows_grads`); stats + gradient kernels on Triton."""
     from .terms import aggregation_weights, is_token_separable
 
-    temperature = float(temperature)
-    grad_fn = lambda lp, ent: token_grads(lp, ent, x, weights)  # noqa: E731
-    if backend_for(logits.device) == "triton":  # stats kernel, O(N) autograd, gradient kernel
-        kernels = backend(logits.device)
-        logp, entropy, lse = kernels.row_stats(logits, tokens, temperature)
-        g, h = grad_fn(logp, entropy)
-        kernels.row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
-        return logp, entropy
+    def grad_fn(lp, ent):  # (g, h) of every row
+        return token_grads(lp, ent, x, weights)
+
+    rows_grads = None
     if is_token_separable(x.config):
-        if weights is None:
-            with _autograd_enabled():  # inside a custom op: below autograd
-                weights = aggregation_weights(x)
-        flat, w = flat_inputs(x), weights.reshape(1, -1)
 
-        def rows_grad_fn(r0, r1, lp, ent):
-            g, h = token_grads(lp[None], ent[None], select_rows(flat, slice(r0, r1)), w[:, r0:r1])
-            return g[0], None if h is None else h[0]
+        def rows_grads():  # (g, h) of rows r0:r1 alone, from their weights c_t = dloss/dL_t
+            w = weights
+            if w is None:
+                with _autograd_enabled():  # inside a custom op: below autograd
+                    w = aggregation_weights(x)
+            flat, w = flat_inputs(x), w.reshape(1, -1)
 
-        return chunked.one_pass_(logits, tokens, temperature, rows_grad_fn, out)
-    logp, entropy, log_s, _ = chunked.stats_e(logits, tokens, temperature, out)
-    g, h = grad_fn(logp, entropy)
-    chunked.finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
-    return logp, entropy
+            def rows_grad_fn(r0, r1, lp, ent):
+                rows = select_rows(flat, slice(r0, r1))
+                g, h = token_grads(lp[None], ent[None], rows, w[:, r0:r1])
+                return g[0], None if h is None else h[0]
+
+            return rows_grad_fn
+
+    kernels = backend(logits.device)
+    return kernels.stats_and_grad_(logits, tokens, float(temperature), grad_fn, out, rows_grads)
 
 
 # --------------------------------------------------------------------------- the policy-loss ops

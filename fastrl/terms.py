@@ -36,6 +36,9 @@ class PolicyLossOutput:
     entropy: Tensor  # per token, detached
     kl: Tensor  # per token, detached (zeros when no ref_logp is given)
     metrics: dict[str, Tensor] = field(default_factory=dict)  # detached 0-dim tensors
+    # per token, detached: the importance ratio of SPEC 1 (GSPO: the sequence ratio, repeated
+    # over the sequence's tokens; 1 where the mask is 0), for a trainer's own clip metrics
+    ratio: Tensor | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -253,6 +256,12 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
     H from the one-pass kernel, whose backward turns g = dloss/dlogp and h = dloss/dH into the
     logits gradient). The hand-computed tests of SPEC's tables check it independently. No host
     sync: metrics stay tensors."""
+    loss, t, metrics = _terms_and_metrics(logp, entropy, x)
+    return loss, t.kl.detach(), metrics
+
+
+def _terms_and_metrics(logp: Tensor, entropy: Tensor, x: PolicyInputs):
+    """`policy_terms` with the TokenTerms themselves instead of the kl alone."""
     cfg = x.config
     mask = x.mask
     A = x.advantages
@@ -280,17 +289,18 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
             metrics["is_weight_max"] = masked_max(t.is_weight_raw, mask)
             metrics["is_clipfrac"] = masked_mean(t.is_over_cap, mask)
         metrics = {k: v.detach() for k, v in metrics.items()}
-    return loss, t.kl.detach(), metrics
+    return loss, t, metrics
 
 
 def policy_output(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> PolicyLossOutput:
     """`policy_terms`, packed as the PolicyLossOutput both policy losses return (per-token
     tensors back in the caller's layout)."""
-    loss, kl, metrics = policy_terms(logp, entropy, x)
+    loss, t, metrics = _terms_and_metrics(logp, entropy, x)
     return PolicyLossOutput(
         loss=loss,
         logp=x.unflatten(logp.detach()),
         entropy=x.unflatten(entropy.detach()),
-        kl=x.unflatten(kl),
+        kl=x.unflatten(t.kl.detach()),
         metrics=metrics,
+        ratio=x.unflatten(torch.where(x.mask > 0, t.ratio.detach(), 1.0)),
     )

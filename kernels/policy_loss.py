@@ -427,6 +427,17 @@ def row_grad_(
     return out
 
 
+def stats_and_grad_(logits, tokens, temperature: float, grad_fn, out, rows_grads=None):
+    """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
+    `logits`) from (g, h) = grad_fn(logp, H): the stats kernel, then g and h (O(N) torch), then
+    the gradient kernel (two reads of the logits). `rows_grads` (the torch backend's one-pass
+    hook) is not used here: the interface is the same as fastrl.chunked's."""
+    logp, entropy, lse = row_stats(logits, tokens, temperature)
+    g, h = grad_fn(logp, entropy)
+    row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
+    return logp, entropy
+
+
 def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """grad *= scale in place, without a host sync and without a pass when scale == 1.
 

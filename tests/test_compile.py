@@ -110,7 +110,7 @@ def test_custom_ops_registered_with_fake_impls():
     )
     with torch._subclasses.fake_tensor.FakeTensorMode():
         fake = torch.empty(4, 5, 100, dtype=torch.bfloat16)
-        logp, ent, lse = torch.ops.fastrl.token_stats(
-            fake, torch.zeros(4, 5, dtype=torch.long), 1.0
+        logp, ent, lse = torch.ops.fastrl.token_logprobs(
+            fake, torch.zeros(4, 5, dtype=torch.long), 1.0, False
         )
         assert logp.shape == (4, 5) and logp.dtype == torch.float32

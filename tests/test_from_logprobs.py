@@ -36,7 +36,7 @@ def test_equals_policy_loss(preset):
     (g2,) = torch.autograd.grad(out.loss, z2)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6)
-    for name in ("logp", "entropy", "kl"):
+    for name in ("logp", "entropy", "kl", "ratio"):
         torch.testing.assert_close(getattr(out, name), getattr(expected, name))
     assert out.metrics.keys() == expected.metrics.keys()
     for k in out.metrics:
@@ -54,6 +54,20 @@ def test_flat_and_without_entropy():
     assert out.logp.shape == (6,) and out.metrics["entropy"] == 0
     out.loss.backward()
     assert logp.grad.shape == (6,)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_per_token_ratio_is_spec_1(level):
+    # token: r_t = exp(logp_t - old_t); sequence (GSPO): exp of the masked mean log-ratio of the
+    # sequence, the same value on each of its tokens
+    logits, tokens, adv, old, _, mask = _batch()
+    out = fastrl.policy_loss(logits, tokens, adv, old, mask=mask, ratio_level=level)
+    log_ratio = out.logp - old
+    if level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+        log_ratio = log_ratio.expand_as(mask)
+    torch.testing.assert_close(out.ratio, torch.where(mask > 0, log_ratio.exp(), 1.0))
+    assert not out.ratio.requires_grad
 
 
 def test_bad_inputs_name_the_argument():

@@ -7,7 +7,7 @@ import torch
 
 import fastrl
 from fastrl import LossConfig
-from fastrl.integrations import logp_policy_inputs
+from fastrl._inputs import prepare_policy_inputs
 from fastrl.integrations.trl import loss_config_from_trl
 from fastrl.reference import aggregate, is_token_separable, token_terms
 
@@ -156,7 +156,7 @@ def test_vllm_clip_min_is_the_rollout_is_floor():
 
 # ------------------------------------------------------------------- new LossConfig options
 def _terms(logp, cfg, A, old=None, ref=None, mask=None, rollout=None):
-    x = logp_policy_inputs(logp, A, old, ref, mask, rollout, cfg, {})
+    x = prepare_policy_inputs(None, None, A, old, ref, mask, rollout, cfg, {}, per_token=logp)
     return x, token_terms(logp, torch.zeros_like(logp), x)
 
 

@@ -137,7 +137,7 @@ def test_ops_reject_strided_vocab():
     """The raw op refuses a non-contiguous V (the public functions copy first)."""
     logits = torch.randn(2, 7, 3).transpose(1, 2)  # (2, 3, 7), stride(-1) = 3
     with pytest.raises(ValueError, match="V dimension must be contiguous"):
-        torch.ops.fastrl.token_stats(logits, torch.zeros(2, 3, dtype=torch.long), 1.0)
+        torch.ops.fastrl.token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), 1.0, False)
     logp, _ = ops.token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long))
     torch.testing.assert_close(logp, R.token_logprobs(logits, torch.zeros(2, 3).long())[0])
 

@@ -8,16 +8,3 @@ until it is used):
 """
 
 from __future__ import annotations
-
-from torch import Tensor
-
-
-def logp_policy_inputs(logp: Tensor, advantages: Tensor, old, ref, mask, rollout, config, counts):
-    """`fastrl._inputs.prepare_policy_inputs` for per-token log-probs logp (B, T) instead of
-    logits, for trainers that have computed them already (SPEC 1-5 only read logp and H).
-    `counts`: {"num_tokens": ..., "num_seqs": ...} overrides."""
-    from .._inputs import prepare_policy_inputs
-
-    return prepare_policy_inputs(
-        None, None, advantages, old, ref, mask, rollout, config, counts, per_token=logp
-    )

@@ -16,7 +16,7 @@ generation, rewards, advantages, buffering and logging). Two things change:
    replaces that head's computation on the same `model(..., fused_lm_head=True)` call, so
    temperature, `cast_lm_head_to_fp32`, logit scale / softcap, PEFT and MoE aux losses behave
    as in TRL.
-2. the loss is SPEC 1-5 (`fastrl.terms.token_terms` / `aggregate`, the code the fused
+2. the loss is SPEC 1-5 (`fastrl.policy_loss_from_logprobs`, the per-token math the fused
    kernels are checked against) on those (B, T) log-probs, with `loss_config_from_trl(args)`
    and TRL's normalisers: grpo / sapo / luspo / bnpo / dr_grpo divide by the gradient
    accumulation steps, dapo / cispo by `num_items_in_batch` rescaled to one accumulation window
@@ -61,7 +61,6 @@ from typing import Any
 import torch
 
 from ..config import LossConfig
-from . import logp_policy_inputs
 
 # TRL loss_type -> (policy, agg)
 _LOSS_TYPES = {
@@ -300,7 +299,7 @@ def _make_trainer_class():
     from accelerate.utils import is_peft_model
     from trl.trainer.utils import nanmax, nanmin
 
-    from ..terms import aggregate, token_terms
+    from ..losses import policy_loss_from_logprobs
 
     base = trl.GRPOTrainer
 
@@ -359,14 +358,12 @@ def _make_trainer_class():
                 rollout = inputs["sampling_per_token_logps"]  # TRL: a NaN one gets weight 1
                 rollout = torch.where(torch.isnan(rollout), old, rollout)
             advantages = inputs["advantages"]
-            x = logp_policy_inputs(
-                per_token_logps, advantages, old, ref, mask, rollout, cfg, counts
-            )
 
-            # SPEC 1-5 (the reference the kernels are checked against), TRL's normalisers
-            t = token_terms(per_token_logps, entropies, x)
-            loss = aggregate(t.per_token_loss, x.mask, cfg.agg, x.num_tokens, x.num_seqs,
-                             cfg.max_len)  # fmt: skip
+            # SPEC 1-5 (the math the kernels are checked against), TRL's normalisers
+            out = policy_loss_from_logprobs(
+                per_token_logps, entropies, advantages, old, ref, mask, rollout, cfg, **counts
+            )
+            loss = out.loss
             policy_loss = loss.detach()
             if loss_type in _PER_STEP_LOSS_TYPES:
                 loss = loss / accumulation
@@ -393,7 +390,7 @@ def _make_trainer_class():
                 self._metrics[mode]["aux_loss"].append(
                     self.accelerator.gather_for_metrics(aux_loss).mean().item()
                 )
-            self._log_loss_metrics(mode, t, entropies, advantages, mask)
+            self._log_loss_metrics(mode, out, entropies, advantages, mask)
             return loss
 
         def _update_adaptive_entropy(self, entropies, mask):
@@ -414,13 +411,13 @@ def _make_trainer_class():
                 self._last_world_entropy = world_entropy
                 self._entropy_window_stats = None
 
-        def _log_loss_metrics(self, mode, t, entropies, advantages, mask):
+        def _log_loss_metrics(self, mode, out, entropies, advantages, mask):
             """TRL's kl / entropy / clip_ratio metrics from fastrl's per-token terms: the ratio
             is TRL's `coef_1` ((B, 1) under sequence-level sampling), kl includes the bias
             correction as TRL's `per_token_kl` does."""
             metrics = self._metrics[mode]
             adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            coef_1 = t.ratio.detach()
+            coef_1 = out.ratio
             if self.importance_sampling_level == "sequence":
                 coef_1 = coef_1[:, :1]
 
@@ -439,7 +436,7 @@ def _make_trainer_class():
 
             with torch.no_grad():
                 if self.beta != 0.0:
-                    metrics["kl"].append(global_masked_mean(t.kl.detach()))
+                    metrics["kl"].append(global_masked_mean(out.kl))
                 metrics["entropy"].append(global_masked_mean(entropies.detach()))
                 if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
                     low = ((coef_1 < 1 - self.epsilon_low) & (adv < 0)).float()

@@ -10,7 +10,7 @@
 1. registers fastrl's policy loss in verl's policy-loss registry
    (`verl.trainer.ppo.core_algos.register_policy_loss`) as `fastrl` (= verl's `vanilla`, the
    dual-clip PPO) and `fastrl_<mode>` for verl's gspo / sapo / cispo / gpg. The loss is SPEC 1-5
-   (`fastrl.terms.token_terms` / `aggregate`, the code fastrl's kernels are checked
+   (`fastrl.policy_loss_from_logprobs`, the per-token math fastrl's kernels are checked
    against) with `loss_config_from_verl(actor)`, verl's normalisers (`global_batch_info`:
    dp_size, batch_num_tokens, global_batch_size, loss_scale_factor) and verl's precomputed
    `rollout_is_weights` (verl's rollout correction) multiplying each token's policy term as in
@@ -73,7 +73,6 @@ import torch
 from torch import Tensor
 
 from ..config import LossConfig
-from . import logp_policy_inputs
 
 _KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2"}
 _KL_TYPES.update({"low_var_kl": "low_var_kl", "k3": "low_var_kl"})
@@ -174,7 +173,7 @@ def make_policy_loss(loss_mode: str = "fastrl"):
     """A verl policy-loss function (verl's `PolicyLossFn` signature) computing SPEC 1-5 with
     the LossConfig of verl's actor config for `loss_mode`, verl's normalisers and its
     precomputed `rollout_is_weights`. Returns (loss, metrics) with verl's metric names."""
-    from ..terms import aggregate, token_terms
+    from ..losses import policy_loss_from_logprobs
 
     base = _base_mode(loss_mode)
     if base not in _LOSS_MODES:
@@ -204,12 +203,11 @@ def make_policy_loss(loss_mode: str = "fastrl"):
         weighted = advantages
         if rollout_is_weights is not None:
             weighted = advantages * rollout_is_weights.detach()
-        logp = log_prob.float()
-        x = logp_policy_inputs(logp, weighted, old_log_prob, None, response_mask, None, cfg,
-                               counts)  # fmt: skip
-        t = token_terms(logp, torch.zeros_like(logp), x)
-        loss = aggregate(t.per_token_loss, x.mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
-        return loss * scale, _verl_metrics(base, t, x, logp, advantages, cfg)
+        out = policy_loss_from_logprobs(
+            log_prob, None, weighted, old_log_prob, None, response_mask, None, cfg, **counts
+        )
+        return out.loss * scale, _verl_metrics(base, out, old_log_prob, response_mask,
+                                               advantages, cfg)  # fmt: skip
 
     fastrl_policy_loss.__name__ = f"fastrl_policy_loss_{base}"
     return fastrl_policy_loss
@@ -222,17 +220,18 @@ def _actor_fields(config: Any) -> dict:
     return {k: _get(config, k) for k in keys if _get(config, k) is not None}
 
 
-def _verl_metrics(base: str, t, x, logp: Tensor, A: Tensor, cfg: LossConfig) -> dict[str, float]:
+def _verl_metrics(base: str, out, old_logp: Tensor, mask: Tensor, A: Tensor, cfg: LossConfig):
     """verl's pg metrics with verl's meaning: pg_clipfrac (share of counted tokens whose clipped
     term wins; for cispo the share whose ratio is clipped; 0 for sapo), ppo_kl (mean of
-    old - logp), pg_clipfrac_lower (share where the dual clip bites; 0 but for vanilla), with
-    verl's advantages A (B, T) before the rollout IS weights."""
+    old - logp), pg_clipfrac_lower (share where the dual clip bites; 0 but for vanilla), from
+    the loss output `out` (its per-token ratio and logp), verl's old_logp and response mask and
+    its advantages A (B, T) before the rollout IS weights."""
     from ..terms import masked_mean
 
     if base == "gpg":
         return {}
     with torch.no_grad():
-        mask, ratio = x.mask, t.ratio.detach()
+        mask, ratio = mask.float(), out.ratio
         A = A.detach().float().expand_as(mask)
         zero = torch.zeros((), device=mask.device)
         if base == "sapo":
@@ -244,7 +243,7 @@ def _verl_metrics(base: str, t, x, logp: Tensor, A: Tensor, cfg: LossConfig) -> 
             high = (A > 0) & (ratio > 1 + cfg.clip_high)
             low = (A < 0) & (ratio < 1 - cfg.clip_low)
             clipfrac = masked_mean((high | low).float(), mask)
-        ppo_kl = masked_mean(x.old_logp - logp.detach(), mask)
+        ppo_kl = masked_mean(old_logp.float() - out.logp, mask)
         lower = zero
         if base == "vanilla":
             pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
