@@ -10,12 +10,12 @@ See SPEC.md for the math and README.md for the layout.
 
 from .advantages import (
     dynamic_sampling_filter,
-    gae,
     group_advantages,
     overlong_penalty,
     whiten,
 )
 from .config import LossConfig
+from .gae import gae
 from .losses import (
     PolicyLossOutput,
     fused_linear_policy_loss,

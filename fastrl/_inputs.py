@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .config import LossConfig, resolve_config
+from .packing import Packing, make_packing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -154,6 +155,9 @@ class PolicyInputs:
     config: LossConfig
     num_tokens: Tensor | float | None  # global token count (token-mean)
     num_seqs: Tensor | float | None  # global sequence count (seq-mean-*)
+    # packed sequences (`cu_seqlens`): every per-token tensor is then (1, N), flat=True, and the
+    # sequence-level math runs on `packing.padded_inputs(self)` (fastrl.packing)
+    packing: Packing | None = None
 
     def unflatten(self, x: Tensor) -> Tensor:
         """(B, T) back to the caller's layout: (N,) for flat inputs."""
@@ -172,12 +176,15 @@ def prepare_policy_inputs(
     overrides: dict,
     check_range: bool | None = None,
     per_token: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> PolicyInputs:
     """Validate the arguments of `policy_loss` and bring them to the canonical (B, T) form.
 
     Without logits (logits = None), `per_token` (B, T) or (N,) (the caller's log-probs,
     `policy_loss_from_logprobs`), or else `tokens` (already checked by the caller, e.g. against
-    the LM head's V), gives the layout, device and the (B, T) shape."""
+    the LM head's V), gives the layout, device and the (B, T) shape. `cu_seqlens` (S + 1,):
+    flat inputs are S packed sequences (fastrl.packing); `advantages` may then be (S,)."""
     overrides = dict(overrides)
     # Global counts may be 0-dim tensors (an all-reduced count): keep them out of the dataclass.
     counts = {}
@@ -207,11 +214,26 @@ def prepare_policy_inputs(
         B, T = tokens.shape
         dev = logits.device
 
+    packing = None
+    if cu_seqlens is not None:
+        if not flat:
+            raise ValueError(
+                f"cu_seqlens is given, so the rows must be flat (N, V) logits / (N,) per-token "
+                f"tensors of packed sequences, got (B, T) = {(B, T)}"
+            )
+        packing = make_packing(cu_seqlens, T, dev, max_seqlen)
+    elif max_seqlen is not None:
+        raise ValueError("max_seqlen is given without cu_seqlens: it sizes packed sequences only")
+
     if not isinstance(advantages, Tensor):
         raise ValueError(f"advantages must be a float tensor, got {type(advantages).__name__}")
     adv_expected = f"shape {(T,)} (like tokens)" if flat else f"shape {(B,)} or {(B, T)}"
+    if packing is not None:
+        adv_expected = f"shape {(T,)} (like tokens) or {(packing.num_seqs,)} (one per sequence)"
     if not advantages.is_floating_point() or advantages.device != dev:
         raise shape_error("advantages", advantages, f"{adv_expected}, a float dtype, device {dev}")
+    if packing is not None and tuple(advantages.shape) == (packing.num_seqs,):
+        advantages = packing.per_row(advantages)
     if flat:
         if tuple(advantages.shape) != (T,):
             raise shape_error("advantages", advantages, adv_expected)
@@ -249,7 +271,12 @@ def prepare_policy_inputs(
             "rollout_logp was given but rollout_is is None: set rollout_is='token' or 'sequence' "
             "(with rollout_is_cap) to use it, or do not pass it"
         )
-    if flat:
+    if packing is not None and cfg.agg == "seq-mean-token-sum-norm" and cfg.max_len is None:
+        raise ValueError(
+            "agg='seq-mean-token-sum-norm' on packed sequences needs max_len (the constant L it "
+            "divides by; a padded batch defaults it to its T, which packed rows do not have)"
+        )
+    if flat and packing is None:
         seq_opts = {
             "ratio_level": cfg.ratio_level == "sequence",
             "rollout_is": cfg.rollout_is == "sequence",
@@ -274,4 +301,5 @@ def prepare_policy_inputs(
         cfg,
         num_tokens,
         num_seqs,
+        packing,
     )

@@ -24,6 +24,7 @@ from . import ops
 from ._inputs import check_logits_tokens, check_temperature, describe, prepare_policy_inputs
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
+from .packing import check_cu_seqlens
 from .terms import PolicyLossOutput, policy_output, policy_terms
 from .value import value_loss
 
@@ -55,6 +56,8 @@ def policy_loss(
     *,
     inplace: bool = False,
     check_finite: bool = False,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     **overrides,
 ) -> PolicyLossOutput:
     """The fused policy loss of SPEC 1-6 (PPO / GRPO / DAPO / Dr.GRPO / GSPO / CISPO / SAPO / ...).
@@ -69,6 +72,12 @@ def policy_loss(
         old_logp, ref_logp, rollout_logp, mask: like tokens (mask bool or float, 1 = counts).
         config        a LossConfig, a preset name or None (= ppo); keyword `overrides` replace its
                       fields (num_tokens / num_seqs may be 0-dim tensors: no host sync).
+        cu_seqlens    (S + 1,) int, optional: the flat rows are S packed sequences, sequence i
+                      being rows cu_seqlens[i]:cu_seqlens[i + 1] (padding-free batches); then
+                      `advantages` may be (S,) and every sequence-level option follows the
+                      boundaries, equal to the padded (S, T) batch of the same sequences
+                      (fastrl.packing). `max_seqlen` (the longest sequence) avoids reading
+                      cu_seqlens on the host; seq-mean-token-sum-norm needs `max_len` here.
 
     Math (SPEC.md): logp_t = z'_y - lse, H_t = lse - sum_j p_j z'_j with z' = z / tau; per-token
     L_t = w_t l_t + beta kl_t - c_H H_t, aggregated by `config.agg`; the gradient is
@@ -107,6 +116,8 @@ def policy_loss(
         config,
         overrides,
         check_range=check_range,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
     )
     if torch.is_grad_enabled() and x.logits.requires_grad:
         if inplace:
@@ -132,6 +143,9 @@ def policy_loss_from_logprobs(
     mask: Tensor | None = None,
     rollout_logp: Tensor | None = None,
     config: LossConfig | str | None = None,
+    *,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     **overrides,
 ) -> PolicyLossOutput:
     """The policy loss of SPEC 1-5 from per-token log-probs someone already has (a trainer's own
@@ -140,8 +154,9 @@ def policy_loss_from_logprobs(
 
     Shapes: logp (B, T) or (N,), float (computed in fp32); entropy like logp, or None (then H = 0:
     no entropy bonus allowed, the `entropy` metric is 0); advantages (B,), (B, T) or (N,);
-    old_logp / ref_logp / rollout_logp / mask like logp; config and overrides as in
-    `policy_loss`. O(N) work: the per-token math of `fastrl.terms`, plain autograd."""
+    old_logp / ref_logp / rollout_logp / mask like logp; config, overrides and packed sequences
+    (`cu_seqlens`, `max_seqlen` with (N,) inputs) as in `policy_loss`. O(N) work: the per-token
+    math of `fastrl.terms`, plain autograd."""
     if not isinstance(logp, Tensor) or not logp.is_floating_point() or logp.dim() not in (1, 2):
         raise ValueError(f"logp must be a (B, T) or (N,) float tensor, got {describe(logp)}")
     if entropy is not None and (
@@ -156,7 +171,7 @@ def policy_loss_from_logprobs(
         )
     x = prepare_policy_inputs(
         None, None, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
-        per_token=logp,
+        per_token=logp, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
     )  # fmt: skip
     if entropy is None and x.config.entropy_coef != 0:
         raise ValueError(
@@ -215,17 +230,33 @@ def _check_finite(loss: Tensor, logp: Tensor) -> None:
         )
 
 
-def logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, entropy: bool = False):
+def logprobs(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    *,
+    cu_seqlens: Tensor | None = None,
+):
     """Per-token log-probs logp_t = z'_y - lse (and entropies H_t when `entropy=True`).
 
     logits (B, T, V) or (N, V) fp32 / bf16 / fp16 (any strides over B, T); tokens like logits
     without V, int64 / int32. Returns fp32 logp (and H) shaped like tokens. One streaming pass
     over the logits; differentiable (the backward is SPEC 6 with g = dL/dlogp, h = dL/dH); under
-    torch.no_grad it is the fast path for pi_old / pi_ref log-probs (no (N, V) allocation)."""
+    torch.no_grad it is the fast path for pi_old / pi_ref log-probs (no (N, V) allocation).
+    Packed sequences (`cu_seqlens` (S + 1,) with (N, V) logits) are accepted and checked; the
+    rows are independent, so the result is the same as without."""
     temperature = check_temperature(temperature)
     logits3, tokens2, flat = check_logits_tokens(
         logits, tokens, check_range=False if _compiling() else None
     )
+    if cu_seqlens is not None:
+        if not flat:
+            raise ValueError(
+                f"cu_seqlens is given, so logits must be flat (N, V) rows of packed sequences, "
+                f"got {tuple(logits.shape)}"
+            )
+        check_cu_seqlens(cu_seqlens, tokens2.shape[1])
     logp, ent = ops.token_logprobs(logits3, tokens2, temperature)
     if flat:
         logp, ent = logp.squeeze(0), ent.squeeze(0)

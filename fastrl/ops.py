@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from . import chunked
+from .packing import make_packing
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -217,6 +218,10 @@ def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None)
     only, exact when `is_token_separable(x.config)` (then rows can be processed chunk by chunk)."""
     from .terms import aggregate, token_terms
 
+    if weights is None and x.packing is not None:  # packed rows: the padded sequences' loss
+        pack = x.packing
+        g, h = token_grads(pack.pad(logp.float()), pack.pad(entropy.float()), pack.padded_inputs(x))
+        return pack.unpad(g), None if h is None else pack.unpad(h)
     cfg = x.config
     with_entropy = cfg.entropy_coef != 0
 
@@ -295,12 +300,26 @@ def stats_and_grad_(
 
 
 # --------------------------------------------------------------------------- the policy-loss ops
-@torch.compiler.assume_constant_result
 def config_key(cfg) -> str:
-    """A LossConfig as a string (a constant of the op schema, so of a compiled graph)."""
-    import json
+    """A LossConfig as a string, a constant of the op schema (so of a compiled graph): the
+    `name=repr(value)` of every field, joined by ";" (`config_from_key` inverts it). Built field
+    by field, so that Dynamo folds it from the values it traces: a config created or replaced
+    inside a compiled region (a preset name, keyword overrides) is never rebuilt from its class
+    defaults (asdict of a traced dataclass once handed the op the default clip range)."""
+    return ";".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
 
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+def config_from_key(key: str):
+    """The LossConfig of `config_key` (all its values are None, bools, numbers or strings)."""
+    import ast
+
+    from .config import LossConfig
+
+    def value(text: str):
+        return float(text) if text in ("inf", "-inf", "nan") else ast.literal_eval(text)
+
+    items = (item.split("=", 1) for item in key.split(";"))
+    return LossConfig(**{name: value(text) for name, text in items})
 
 
 def flat_inputs(x):
@@ -311,7 +330,7 @@ def flat_inputs(x):
     return dataclasses.replace(
         x, logits=None, tokens=flat(x.tokens), advantages=flat(x.advantages),
         old_logp=flat(x.old_logp), ref_logp=flat(x.ref_logp), rollout_logp=flat(x.rollout_logp),
-        mask=flat(x.mask),
+        mask=flat(x.mask), packing=None,
     )  # fmt: skip
 
 
@@ -332,30 +351,34 @@ def select_rows(x, rows):
 # by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in the config key.
 POLICY_ARGS_SCHEMA = (
     "Tensor tokens, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
-    "Tensor? rollout_logp, Tensor mask, Tensor? num_tokens, Tensor? num_seqs, str config"
+    "Tensor? rollout_logp, Tensor mask, Tensor? num_tokens, Tensor? num_seqs, "
+    "Tensor? cu_seqlens, int max_seqlen, str config"
 )
 
 
 def op_inputs(x) -> tuple:
     """PolicyInputs as the POLICY_ARGS_SCHEMA arguments (tokens ... config)."""
     counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
+    pack = x.packing
+    packing = (None, 0) if pack is None else (pack.cu_seqlens, pack.max_seqlen)
     return (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts,
-            config_key(x.config))  # fmt: skip
+            *packing, config_key(x.config))  # fmt: skip
 
 
 def policy_inputs_from_op(logits, args):
     """PolicyInputs from the POLICY_ARGS_SCHEMA arguments `args` (the inverse of `op_inputs`)."""
-    import json
-
     from ._inputs import PolicyInputs
-    from .config import LossConfig
 
-    tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs, key = args
-    cfg = LossConfig(**json.loads(key))
+    tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs = args[:8]
+    cu_seqlens, max_seqlen, key = args[8:]
+    cfg = config_from_key(key)
+    packing = None
+    if cu_seqlens is not None:
+        packing = make_packing(cu_seqlens, mask.shape[1], mask.device, max_seqlen)
     return PolicyInputs(
-        logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, False, cfg,
-        cfg.num_tokens if num_tokens is None else num_tokens,
-        cfg.num_seqs if num_seqs is None else num_seqs,
+        logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, packing is not None,
+        cfg, cfg.num_tokens if num_tokens is None else num_tokens,
+        cfg.num_seqs if num_seqs is None else num_seqs, packing,
     )  # fmt: skip
 
 

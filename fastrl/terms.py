@@ -131,7 +131,10 @@ def aggregate(
 def aggregation_weights(x: PolicyInputs) -> Tensor:
     """c_t = d loss / d L_t (B, T): the aggregation of SPEC 5 is linear in the per-token losses,
     so loss = Σ_t c_t L_t, with c_t known from the mask and the counts alone (autograd of
-    `aggregate` itself, so the two never disagree)."""
+    `aggregate` itself, so the two never disagree). Packed inputs: (1, N), computed on the
+    padded sequences."""
+    if x.packing is not None:
+        return x.packing.unpad(aggregation_weights(x.packing.padded_inputs(x)))
     with torch.enable_grad():
         zeros = torch.zeros_like(x.mask, requires_grad=True)
         loss = aggregate(zeros, x.mask, x.config.agg, x.num_tokens, x.num_seqs, x.config.max_len)
@@ -256,12 +259,20 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
     H from the one-pass kernel, whose backward turns g = dloss/dlogp and h = dloss/dH into the
     logits gradient). The hand-computed tests of SPEC's tables check it independently. No host
     sync: metrics stay tensors."""
-    loss, t, metrics = _terms_and_metrics(logp, entropy, x)
-    return loss, t.kl.detach(), metrics
+    loss, kl, _, metrics = _terms_and_metrics(logp, entropy, x)
+    return loss, kl, metrics
 
 
 def _terms_and_metrics(logp: Tensor, entropy: Tensor, x: PolicyInputs):
-    """`policy_terms` with the TokenTerms themselves instead of the kl alone."""
+    """`policy_terms` plus the per-token ratio: (loss, kl, ratio, metrics), kl and ratio detached
+    in x's layout. Packed inputs ((1, N) rows of S sequences) are computed as the padded batch
+    (S, T_max) of the same sequences (`fastrl.packing`), then brought back to (1, N)."""
+    if x.packing is not None:
+        pack = x.packing
+        loss, kl, ratio, metrics = _terms_and_metrics(
+            pack.pad(logp), pack.pad(entropy), pack.padded_inputs(x)
+        )
+        return loss, pack.unpad(kl), pack.unpad(ratio), metrics
     cfg = x.config
     mask = x.mask
     A = x.advantages
@@ -289,18 +300,18 @@ def _terms_and_metrics(logp: Tensor, entropy: Tensor, x: PolicyInputs):
             metrics["is_weight_max"] = masked_max(t.is_weight_raw, mask)
             metrics["is_clipfrac"] = masked_mean(t.is_over_cap, mask)
         metrics = {k: v.detach() for k, v in metrics.items()}
-    return loss, t, metrics
+    return loss, t.kl.detach(), t.ratio.detach(), metrics
 
 
 def policy_output(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> PolicyLossOutput:
     """`policy_terms`, packed as the PolicyLossOutput both policy losses return (per-token
     tensors back in the caller's layout)."""
-    loss, t, metrics = _terms_and_metrics(logp, entropy, x)
+    loss, kl, ratio, metrics = _terms_and_metrics(logp, entropy, x)
     return PolicyLossOutput(
         loss=loss,
         logp=x.unflatten(logp.detach()),
         entropy=x.unflatten(entropy.detach()),
-        kl=x.unflatten(t.kl.detach()),
+        kl=x.unflatten(kl),
         metrics=metrics,
-        ratio=x.unflatten(torch.where(x.mask > 0, t.ratio.detach(), 1.0)),
+        ratio=x.unflatten(torch.where(x.mask > 0, ratio, 1.0)),
     )

@@ -7,7 +7,7 @@ import torch
 
 import fastrl
 from fastrl import reference as ref
-from fastrl.advantages import _gae_torch
+from fastrl.gae import _gae_torch
 
 # input dtype -> (atol, rtol) of the unwhitened advantages against the fp32 oracles
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 2e-5)}  # both compare on the same inputs
@@ -76,7 +76,7 @@ def test_gae_block_chaining_paths(gamma, lam, T):
 
 
 def test_chain_blocks_strategies_agree():
-    from fastrl.advantages import _chain_blocks
+    from fastrl.gae import _chain_blocks
 
     totals = torch.randn(3, 40, dtype=torch.float64)
     for decay in (1.0, 0.9, 1e-3, 0.0):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fastrl
+from fastrl import ops
 from fastrl import reference as R
 
 
@@ -81,6 +82,44 @@ def test_compiled_policy_loss_matches_eager(monkeypatch):
     (ref.loss + ref2.loss).backward()
     torch.testing.assert_close(le, (ref.loss + ref2.loss).detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ge, x.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [("dapo", {}), ("grpo", {"kl_coef": 0.0}), (None, {"clip_high": 0.3, "clip_low": 0.1}),
+     ("gspo", {"clip_high": 0.05}), ("cispo", {})],
+)  # fmt: skip
+def test_compiled_gradient_uses_the_config_resolved_in_the_graph(config, overrides):
+    """A preset name or keyword overrides are resolved inside the compiled region: the fused
+    gradient must use that config, not LossConfig's defaults (it once got clip_high 0.2 for
+    "dapo": a wrong gradient wherever a ratio lay in (1.2, 1.28] with A > 0)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 4, 6, 11
+    logits = torch.randn(B, T, V, generator=g) * 2
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    logp, _ = R.token_logprobs(logits, tokens)
+    # log-ratios spread over [-0.4, 0.4]: every clip range above has tokens on both sides
+    old = logp - torch.linspace(-0.4, 0.4, B * T).view(B, T)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0])
+
+    def loss_fn(z):
+        return fastrl.policy_loss(z, tokens, adv, old, config=config, **overrides).loss
+
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        z = logits.clone().requires_grad_()
+        fn(z).backward()
+        grads.append(z.grad)
+    z = logits.clone().requires_grad_()
+    R.policy_loss(z, tokens, adv, old, config=config, **overrides).loss.backward()
+    torch.testing.assert_close(grads[0], z.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads[1], z.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_config_key_round_trips_every_value():
+    cfg = fastrl.LossConfig.gspo(clip_dual=3.0, num_tokens=7.0, max_len=5, rollout_is="token",
+                                 rollout_is_cap=1e300, temperature=0.7)  # fmt: skip
+    assert ops.config_from_key(ops.config_key(cfg)) == cfg
 
 
 def test_compiled_logprobs_no_grad(monkeypatch):
