@@ -15,7 +15,7 @@ import torch
 from fastrl.cli import main
 from fastrl.config import PRESETS
 from fastrl.train import algos
-from fastrl.train.build import lr_factor
+from fastrl.train.build import loss_config, lr_factor
 from fastrl.train.config import TrainConfig
 from fastrl.train.rollout import Rollout
 from fastrl.train.trainer import Trainer, read_metrics
@@ -144,7 +144,7 @@ def test_export_from_pretrained_and_model_round_trip(tmp_path, capsys):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_loss_preset_trains(tmp_path, preset):
     t = Trainer(tiny(tmp_path, loss=preset, steps=1), log=quiet)
-    assert t.loss_cfg == t._loss_config()
+    assert t.loss_cfg == loss_config(t.cfg)
     t.train()
     rec = read_metrics(str(tmp_path / "metrics.jsonl"))[-1]
     assert math.isfinite(rec["loss"]) and ("kl" in rec) == (preset == "grpo")

@@ -1,187 +1,271 @@
-"""Building a run from its TrainConfig: process group, device, model and tokenizer, eval set,
-loss config, optimizer and learning-rate schedule, data-parallel wrappers."""
+"""Building a run from its TrainConfig. `build` makes the Run and the first TrainState (checks of
+the options and of --out, device, task, eval set, reward scorer, model and tokenizer, loss config,
+the run's RNGs); `setup` readies the state for training (supervised warm-up, reference and
+critic, optimizer and learning-rate schedule, DDP / FSDP2), or loads it from a checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import gc
 import math
 import os
+import random
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import LossConfig
-from .rollout import CHARS, load_model
-from .tasks import BUILTIN_TASKS, JsonlTask, load_jsonl
+from .algos import ValueModel
+from .common import rank_world
+from .config import TrainConfig
+from .report import Console
+from .rewards import RewardScorer
+from .rollout import CHARS, eos_ids, lm_head_fusable, load_model
+from .rollout_phase import supervised_warmup
+from .rundir import check_out_creatable, check_out_dir
+from .runlog import tensorboard_writer_class
+from .saving import resume, resume_candidates
+from .state import Run, TrainState
+from .tasks import BUILTIN_TASKS, Example, JsonlTask, Task, get_task, load_jsonl
 
 DEFAULT_SFT_STEPS = 1000
 """Supervised warm-up steps of the embedded default (built-in task, no --model)."""
 
 
-class BuildMixin:
-    """Trainer methods that set a run up (and tear its process group down)."""
+# --------------------------------------------------------------------------- build
+def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run, TrainState]:
+    """The Run of `cfg` (validated; the process group of a torchrun run up) and its TrainState
+    before `setup`: the policy on its device, seeded, and the run's RNGs at step 0.
 
-    # ------------------------------------------------------------------ processes, devices
-    def _init_distributed(self):
-        self._owns_pg = False
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() and self.cfg.device != "cpu" else "gloo"
-            dist.init_process_group(backend=backend)
-            self._owns_pg = True
+    `log`: where rank 0's lines go; `load_models()`: (model, tokenizer) of the run (`Trainer`'s
+    `_load_models`, i.e. `load_models(cfg)`). Bad input raises ValueError, and everything that
+    can be checked without the model is checked before it loads (options, --out, the task)."""
+    rank, world = rank_world()
+    console = Console(log, rank, world)
+    check_options(cfg, world)
+    check_out_creatable(cfg.out)
+    check_out_dir(cfg)
+    device = pick_device(cfg.device, world)
+    auto_dtype = "bf16" if device.type == "cuda" else "fp32"
+    task = get_task(cfg.task, cfg.reward)  # raises on unknown task / bad JSONL
+    eval_set = eval_examples(cfg, task, console.log)  # held-out lines leave the training set
+    scorer = RewardScorer(task.reward_fn, cfg.reward_timeout, report=console.report)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_models()
+    if cfg.model is None:
+        check_vocabulary(cfg, task, eval_set)
+    eos = eos_ids(tok, model)
+    policy = model.to(device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.num_threads or auto_threads(policy, world))
+    loss_cfg = loss_config(cfg)
+    run = Run(
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        device=device,
+        compute_dtype=auto_dtype if cfg.dtype == "auto" else cfg.dtype,
+        console=console,
+        task=task,
+        eval_set=eval_set,
+        scorer=scorer,
+        tok=tok,
+        eos=eos,
+        pad_id=tok.pad_token_id,
+        sft_steps=resolve_sft_steps(cfg),
+        loss_cfg=loss_cfg,
+        use_ref=loss_cfg.kl_coef > 0 or (cfg.algo == "ppo" and bool(cfg.kl_coef)),
+        fused_lm_head=cfg.fsdp and lm_head_fusable(policy, cfg.top_k, cfg.top_p),
+        grad_scale=world,  # DDP and FSDP2 average gradients; the loss is a sum
+    )
+    state = TrainState(
+        policy=policy,
+        task_rng=random.Random(cfg.seed * 1_000_003 + rank),
+        sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 7919 * rank),
+        shuffle_gen=torch.Generator().manual_seed(cfg.seed + 104729 * (rank + 1)),
+    )
+    return run, state
 
-    def close(self):
-        """Stop the reward worker process, and tear down the process group this trainer created
-        (torchrun runs).
 
-        The DDP wrappers go first: a DDP reducer that outlives its process group can abort the
-        process at exit ("terminate called without an active exception")."""
-        if getattr(self, "scorer", None) is not None:
-            self.scorer.close()
-        if getattr(self, "train_policy", None) is not self.policy:
-            self.train_policy, self.train_critic = self.policy, self.critic
-            gc.collect()
-        if getattr(self, "runlog", None) is not None:
-            self.runlog.close()
-        if self._owns_pg and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-            self._owns_pg = False
-
-    def _pick_device(self, name: str) -> torch.device:
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "cuda" and self.world > 1:
-            name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        try:
-            dev = torch.device(name)
-        except RuntimeError as e:
-            raise ValueError(f"--device={name!r} is not a torch device: {e}") from e
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device={name!r} but CUDA is not available; use --device cpu")
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        return dev
-
-    def _auto_threads(self) -> int:
-        """1 thread for tiny models (thread hand-offs cost more than the matmuls, and badly so
-        on a shared machine), else this rank's share of the cores."""
-        if sum(p.numel() for p in self.policy.parameters()) < 10_000_000:
-            return 1
-        return max(1, (os.cpu_count() or 1) // self.world)
-
-    def amp(self):
-        """A fresh autocast context: bf16 under --dtype bf16 (auto: on CUDA), else none."""
-        if self.compute_dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ model, data, loss
-    def _load_models(self):
-        """(model, tokenizer), and the resolved warm-up length."""
-        cfg = self.cfg
-        embedded = cfg.model is None
-        self.sft_steps = (
-            cfg.sft_steps
-            if cfg.sft_steps is not None
-            else (DEFAULT_SFT_STEPS if embedded and cfg.task in BUILTIN_TASKS else 0)
+def check_options(cfg: TrainConfig, world: int) -> None:
+    """ValueError for options this launch cannot run (they need the number of ranks)."""
+    if cfg.batch_size % world:
+        raise ValueError(
+            f"--batch-size={cfg.batch_size} must be divisible by the number of ranks ({world})"
         )
-        return self._embedded() if embedded else load_model(cfg.model, seed=cfg.seed)
+    if cfg.fsdp and world == 1:
+        raise ValueError("--fsdp shards over torchrun ranks: run it under torchrun")
+    if cfg.fsdp and cfg.resume:
+        raise ValueError(
+            "--resume of an --fsdp run is not supported: its checkpoints hold the full "
+            "weights and the Hugging Face export, not the sharded optimizer state (start a "
+            "new run with --model OUT/checkpoints/step-N/hf)"
+        )
+    if cfg.report_to == "tensorboard":
+        tensorboard_writer_class()  # a clear error now, not after the warm-up
 
-    def _embedded(self):
-        from . import rollout
 
-        model, tok = load_model(None, seed=self.cfg.seed)
-        if self.cfg.model_hidden != 64 or self.cfg.model_layers != 2:
-            model = rollout.default_model(
-                len(tok), self.cfg.seed, self.cfg.model_hidden, self.cfg.model_layers
-            )
-        # every character of the task must be in the embedded vocabulary: the tokenizer drops
-        # any other (it has no unknown token, as AutoTokenizer reloads it from an export), so
-        # every line of a .jsonl task and of the eval set is checked, not a sample
-        task, cfg = self.task, self.cfg
-        lines = task.examples if isinstance(task, JsonlTask) else task.eval_examples(50, cfg.seed)
-        text = "".join(e.prompt + task.target(e) for e in [*lines, *self.eval_set])
-        missing = sorted(set(text) - set(CHARS))
-        if missing:
-            raise ValueError(
-                f"task {self.cfg.task!r} uses characters {missing} that the embedded model's "
-                f"tokenizer lacks (it has {CHARS!r}; it would drop them); pass --model with a "
-                "local HF model"
-            )
-        return model, tok
+def init_distributed(cfg: TrainConfig) -> bool:
+    """Start the process group of a torchrun launch (nccl on CUDA, else gloo) unless there is
+    one; True when this call started it (`close_distributed` then ends it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+        dist.init_process_group(backend=backend)
+        return True
+    return False
 
-    def _eval_examples(self):
-        """The eval set: --eval-file, else a held-out split of a .jsonl task (removed from its
-        training lines), else the built-in task's disjoint eval stream."""
-        cfg, task = self.cfg, self.task
-        if cfg.eval_file:
-            return load_jsonl(cfg.eval_file)[: cfg.eval_size]
-        if isinstance(task, JsonlTask):
-            held = task.hold_out(cfg.eval_split, cfg.eval_size, cfg.seed)
-            if held:
-                self.log(
-                    f"eval: {len(held)} lines of {cfg.task} held out (--eval-split "
-                    f"{cfg.eval_split}), training on the other {len(task.examples)}"
-                )
-                return held
-            self.log(
-                f"eval: on the first {min(cfg.eval_size, len(task.examples))} training lines of "
-                f"{cfg.task} (no held-out data: pass --eval-file or --eval-split > 0)"
-            )
-        return task.eval_examples(cfg.eval_size, cfg.seed)
 
-    def _loss_config(self) -> LossConfig:
-        cfg = self.cfg
-        over = {"temperature": cfg.temperature, "entropy_coef": cfg.entropy_coef}
-        if cfg.clip_low is not None:
-            over["clip_low"] = cfg.clip_low
-        if cfg.clip_high is not None:
-            over["clip_high"] = cfg.clip_high
-        if cfg.algo != "ppo" and cfg.kl_coef is not None:  # ppo: kl_coef shapes the reward
-            over["kl_coef"] = cfg.kl_coef
-        preset = cfg.loss or cfg.algo
-        if preset == "dr_grpo":  # its normaliser is the budget, not the batch's longest
-            over["max_len"] = cfg.max_new_tokens
-        return LossConfig.preset(preset, **over)
+def close_distributed(owned: bool) -> None:
+    if owned and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
-    # ------------------------------------------------------------------ optimizer, wrappers
-    def _build_optim(self):
-        cfg = self.cfg
-        groups = [
-            {"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": cfg.lr}
-        ]
-        if self.critic is not None:
-            groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
-        self.opt = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-        total = cfg.steps * cfg.epochs * cfg.minibatches
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)
+
+def pick_device(name: str, world: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and world > 1:
+        name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device={name!r} is not a torch device: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={name!r} but CUDA is not available; use --device cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def auto_threads(policy: torch.nn.Module, world: int) -> int:
+    """1 thread for tiny models (thread hand-offs cost more than the matmuls, and badly so on a
+    shared machine), else this rank's share of the cores."""
+    if sum(p.numel() for p in policy.parameters()) < 10_000_000:
+        return 1
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+# --------------------------------------------------------------------------- model, data, loss
+def resolve_sft_steps(cfg: TrainConfig) -> int:
+    """--sft-steps, or by default 1000 for the embedded model on a built-in task, else 0."""
+    if cfg.sft_steps is not None:
+        return cfg.sft_steps
+    return DEFAULT_SFT_STEPS if cfg.model is None and cfg.task in BUILTIN_TASKS else 0
+
+
+def load_models(cfg: TrainConfig):
+    """(model, tokenizer): --model, or the embedded default (its size from --model-hidden /
+    --model-layers)."""
+    if cfg.model is not None:
+        return load_model(cfg.model, seed=cfg.seed)
+    from . import rollout
+
+    model, tok = load_model(None, seed=cfg.seed)
+    if cfg.model_hidden != 64 or cfg.model_layers != 2:
+        model = rollout.default_model(len(tok), cfg.seed, cfg.model_hidden, cfg.model_layers)
+    return model, tok
+
+
+def check_vocabulary(cfg: TrainConfig, task: Task, eval_set: list[Example]) -> None:
+    """ValueError unless every character of the task is in the embedded vocabulary: the
+    tokenizer drops any other (it has no unknown token, as AutoTokenizer reloads it from an
+    export), so every line of a .jsonl task and of the eval set is checked, not a sample."""
+    lines = task.examples if isinstance(task, JsonlTask) else task.eval_examples(50, cfg.seed)
+    text = "".join(e.prompt + task.target(e) for e in [*lines, *eval_set])
+    missing = sorted(set(text) - set(CHARS))
+    if missing:
+        raise ValueError(
+            f"task {cfg.task!r} uses characters {missing} that the embedded model's "
+            f"tokenizer lacks (it has {CHARS!r}; it would drop them); pass --model with a "
+            "local HF model"
         )
 
-    def _wrap(self):
-        """DDP replicas (several ranks, not --fsdp); the models themselves otherwise."""
-        self.train_policy, self.train_critic = self.policy, self.critic
-        if self.world > 1 and not self.cfg.fsdp:
-            from torch.nn.parallel import DistributedDataParallel as DDP
 
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.train_policy = DDP(self.policy, device_ids=ids)
-            if self.critic is not None:
-                self.train_critic = DDP(self.critic, device_ids=ids)
+def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
+    """The eval set: --eval-file, else a held-out split of a .jsonl task (removed from its
+    training lines), else the built-in task's disjoint eval stream."""
+    if cfg.eval_file:
+        return load_jsonl(cfg.eval_file)[: cfg.eval_size]
+    if isinstance(task, JsonlTask):
+        held = task.hold_out(cfg.eval_split, cfg.eval_size, cfg.seed)
+        if held:
+            log(
+                f"eval: {len(held)} lines of {cfg.task} held out (--eval-split "
+                f"{cfg.eval_split}), training on the other {len(task.examples)}"
+            )
+            return held
+        log(
+            f"eval: on the first {min(cfg.eval_size, len(task.examples))} training lines of "
+            f"{cfg.task} (no held-out data: pass --eval-file or --eval-split > 0)"
+        )
+    return task.eval_examples(cfg.eval_size, cfg.seed)
 
-    def _shard(self):
-        """--fsdp: FSDP2 `fully_shard` on each decoder layer and then each whole model (policy,
-        critic, reference), in place; parameters become DTensors sharded over the ranks."""
-        from torch.distributed.fsdp import fully_shard
 
-        for model in (self.policy, self.critic, self.ref):
-            if model is None:
-                continue
-            for m in model.modules():
-                if type(m).__name__.endswith("DecoderLayer"):
-                    fully_shard(m)
-            fully_shard(model)
+def loss_config(cfg: TrainConfig) -> LossConfig:
+    """The --loss preset (default: the one named like --algo) with the run's overrides."""
+    over = {"temperature": cfg.temperature, "entropy_coef": cfg.entropy_coef}
+    if cfg.clip_low is not None:
+        over["clip_low"] = cfg.clip_low
+    if cfg.clip_high is not None:
+        over["clip_high"] = cfg.clip_high
+    if cfg.algo != "ppo" and cfg.kl_coef is not None:  # ppo: kl_coef shapes the reward
+        over["kl_coef"] = cfg.kl_coef
+    preset = cfg.loss or cfg.algo
+    if preset == "dr_grpo":  # its normaliser is the budget, not the batch's longest
+        over["max_len"] = cfg.max_new_tokens
+    return LossConfig.preset(preset, **over)
+
+
+# --------------------------------------------------------------------------- setup
+def setup(run: Run, state: TrainState) -> None:
+    """Ready `state` for training: a fresh run gets its supervised warm-up (`run.sft_steps`),
+    then the reference copy (`run.use_ref`), ppo's critic, gradient checkpointing, FSDP2 shards,
+    optimizer and schedule; --resume loads the newest intact checkpoint into all of it instead
+    of the warm-up. Fills state.ref / critic / opt / sched / train_policy / train_critic."""
+    cfg = run.cfg
+    candidates = resume_candidates(cfg, run.console.log) if cfg.resume else []
+    if not cfg.resume and run.sft_steps > 0:
+        supervised_warmup(run, state.policy)
+    if run.use_ref:
+        state.ref = copy.deepcopy(state.policy).eval().requires_grad_(False)
+    if cfg.algo == "ppo":
+        state.critic = ValueModel(state.policy).to(run.device)
+    if cfg.gradient_checkpointing:
+        for m in (state.policy, state.critic.backbone if state.critic is not None else None):
+            if m is not None:
+                _checkpoint_activations(m)
+    if cfg.fsdp:
+        shard(state.policy, state.critic, state.ref)
+    state.opt, state.sched = build_optimizer(cfg, state.policy, state.critic)
+    if candidates:
+        resume(run, state, candidates)
+    state.train_policy, state.train_critic = wrap(run, state.policy, state.critic)
+
+
+def _checkpoint_activations(model: torch.nn.Module) -> None:
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def build_optimizer(cfg: TrainConfig, policy, critic):
+    """(AdamW over the policy's trainable parameters and the critic's, the LambdaLR of
+    --warmup-steps / --lr-schedule over every optimizer step of the run)."""
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+    if critic is not None:
+        groups.append({"params": list(critic.parameters()), "lr": cfg.critic_lr})
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    total = cfg.steps * cfg.epochs * cfg.minibatches
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)
+    )
+    return opt, sched
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -195,3 +279,38 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     if schedule == "linear":
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def wrap(run: Run, policy, critic) -> tuple:
+    """(policy, critic) as the update trains them: DDP replicas (several ranks, not --fsdp),
+    the models themselves otherwise."""
+    if run.world == 1 or run.cfg.fsdp:
+        return policy, critic
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [run.device.index] if run.device.type == "cuda" else None
+    train_policy = DDP(policy, device_ids=ids)
+    train_critic = DDP(critic, device_ids=ids) if critic is not None else None
+    return train_policy, train_critic
+
+
+def shard(*models) -> None:
+    """--fsdp: FSDP2 `fully_shard` on each decoder layer and then each whole model (None
+    skipped), in place; parameters become DTensors sharded over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    for model in models:
+        if model is None:
+            continue
+        for m in model.modules():
+            if type(m).__name__.endswith("DecoderLayer"):
+                fully_shard(m)
+        fully_shard(model)
+
+
+def release_wrappers(state: TrainState) -> None:
+    """Drop the DDP wrappers (first thing at close: a DDP reducer that outlives its process
+    group can abort the process at exit, "terminate called without an active exception")."""
+    if state.train_policy is not state.policy:
+        state.train_policy, state.train_critic = state.policy, state.critic
+        gc.collect()

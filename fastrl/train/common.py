@@ -1,13 +1,16 @@
-"""Small pieces every stage of the trainer uses: ranks, collectives, the update batch."""
+"""Small pieces every stage of the trainer uses: ranks, collectives, the update batch, the error
+that stops training."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checkpoint import latest_checkpoint
 from .rollout import Rollout
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png")
@@ -17,6 +20,14 @@ RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png")
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss, gradient norm or weights); the message names
     the step and the last good checkpoint."""
+
+
+def last_good(out: str) -> str:
+    """The end of a TrainingError's message: the newest checkpoint of the run in `out`."""
+    ckpt = latest_checkpoint(os.path.join(out, "checkpoints"))
+    if ckpt is None:
+        return "no checkpoint had been saved yet"
+    return f"the last good checkpoint is {ckpt} (continue with --resume {out})"
 
 
 @dataclass
@@ -53,6 +64,16 @@ def all_reduce(x: Tensor, op=None) -> Tensor:
     if rank_world()[1] > 1:
         dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
     return x
+
+
+def all_ranks(value, op, device, dtype=torch.float64):
+    """`value` reduced with `op` (a `dist.ReduceOp`) over the ranks, as a Python number that
+    every rank gets alike; `value` itself in one process."""
+    if rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=dtype, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
 
 
 def gather_rows(x: Tensor, fill: float = 0.0) -> tuple[Tensor, slice]:

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from ..linear import fused_linear_policy_loss
 from ..losses import policy_loss, value_loss
-from .common import Batch, TrainingError, all_reduce
+from .common import Batch, TrainingError, all_reduce, last_good
 from .rollout import completion_hidden, forward_completion_logits, truncate_like_sampler
+from .state import Run, TrainState
 
 # summed per update (token-weighted where it says n_tok): the one host read holds these
 SUMS = (
@@ -37,182 +38,190 @@ SUMS = (
 _I = {k: i for i, k in enumerate(SUMS)}
 
 
-class UpdateMixin:
-    """Trainer methods of the update phase."""
+def update(run: Run, state: TrainState, batch: Batch) -> dict:
+    """`epochs` x `minibatches` optimizer steps on this rank's `batch`.
 
-    def update(self, batch: Batch) -> dict:
-        """`epochs` x `minibatches` optimizer steps on this rank's `batch`; metrics summed /
-        averaged over ranks (identical on every rank). A non-finite loss, value loss or gradient
-        norm raises TrainingError naming the step (the weights are then spoiled: the run must
-        stop before they are saved)."""
-        cfg = self.cfg
-        N = batch.rollout.completion_ids.shape[0]
-        sums = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)
-        ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
-        grad_norms, lrs = [], []
-        mask = batch.rollout.completion_mask
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(N, generator=self.shuffle_gen)
-            for mb in torch.tensor_split(perm, cfg.minibatches):
-                mb = mb.to(self.device)
-                one = torch.tensor(float(len(mb)), device=mask.device)
-                num_tokens, num_seqs = all_reduce(torch.stack([mask[mb].sum(), one]))
-                micros = torch.tensor_split(mb, cfg.grad_accum)
-                self.opt.zero_grad(set_to_none=True)
-                for i, mi in enumerate(micros):
-                    s, rmax = self._micro_step(
-                        batch, mi, num_tokens, num_seqs, i == len(micros) - 1
-                    )
-                    sums += s
-                    ratio_max = torch.maximum(ratio_max, rmax)
-                lrs.append(self.sched.get_last_lr()[0])  # the lr of this optimizer step
-                grad_norms.append(self._clip_and_step())
-        n_opt = cfg.epochs * cfg.minibatches
-        # the one host read of this update: metric sums, ratio max, every grad norm pair
-        ratio_max = all_reduce(ratio_max.reshape(1), dist.ReduceOp.MAX if self.world > 1 else None)
-        norms = torch.stack(grad_norms).double().flatten()
-        host = torch.cat([all_reduce(sums), ratio_max, norms]).cpu()
-        sums, ratio_max, norms = host[: len(SUMS)], host[len(SUMS)], host[len(SUMS) + 1 :]
-        norms = norms.view(n_opt, 2)
-        self._check_finite(sums, norms)
-        tok = max(sums[_I["tokens"]].item(), 1.0)
-        out = {
-            "loss": sums[0].item() / n_opt,
-            "entropy": sums[_I["entropy"]].item() / tok,
-            "approx_kl": sums[_I["approx_kl"]].item() / tok,
-            "clipfrac": sums[_I["clipfrac"]].item() / tok,
-            "clipfrac_low": sums[_I["clipfrac_low"]].item() / tok,
-            "clipfrac_high": sums[_I["clipfrac_high"]].item() / tok,
-            "ratio_max": ratio_max.item(),
-            "grad_norm": norms[:, 0].mean().item(),
-            "lr": sum(lrs) / len(lrs),
-        }
-        if batch.ref_logp is not None:  # KL to the reference; approx_kl is the KL to pi_old
-            out["kl"] = sums[_I["kl"]].item() / tok
-        if cfg.algo == "ppo":
-            out["value_loss"] = sums[_I["value_loss"]].item() / n_opt
-            out["vf_clipfrac"] = sums[_I["vf_clipfrac"]].item() / tok
-            out["critic_grad_norm"] = norms[:, 1].mean().item()
-        return out
+    Reads `run` (config, loss config, device, ranks), `state.shuffle_gen` (the minibatch order),
+    and trains `state.policy` / `state.critic` through `state.train_policy` / `state.train_critic`
+    with `state.opt` and `state.sched` (stepped once per minibatch). Returns the update's metrics,
+    summed / averaged over ranks (identical on every rank). A non-finite loss, value loss or
+    gradient norm raises TrainingError naming step `state.step + 1` (the weights are then
+    spoiled: the run must stop before they are saved)."""
+    cfg = run.cfg
+    N = batch.rollout.completion_ids.shape[0]
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=run.device)
+    ratio_max = torch.zeros((), dtype=torch.float64, device=run.device)
+    grad_norms, lrs = [], []
+    mask = batch.rollout.completion_mask
+    for _ in range(cfg.epochs):
+        perm = torch.randperm(N, generator=state.shuffle_gen)
+        for mb in torch.tensor_split(perm, cfg.minibatches):
+            mb = mb.to(run.device)
+            one = torch.tensor(float(len(mb)), device=mask.device)
+            num_tokens, num_seqs = all_reduce(torch.stack([mask[mb].sum(), one]))
+            micros = torch.tensor_split(mb, cfg.grad_accum)
+            state.opt.zero_grad(set_to_none=True)
+            for i, mi in enumerate(micros):
+                last = i == len(micros) - 1
+                s, rmax = _micro_step(run, state, batch, mi, num_tokens, num_seqs, last)
+                sums += s
+                ratio_max = torch.maximum(ratio_max, rmax)
+            lrs.append(state.sched.get_last_lr()[0])  # the lr of this optimizer step
+            grad_norms.append(_clip_and_step(cfg, state))
+    n_opt = cfg.epochs * cfg.minibatches
+    # the one host read of this update: metric sums, ratio max, every grad norm pair
+    ratio_max = all_reduce(ratio_max.reshape(1), dist.ReduceOp.MAX if run.world > 1 else None)
+    norms = torch.stack(grad_norms).double().flatten()
+    host = torch.cat([all_reduce(sums), ratio_max, norms]).cpu()
+    sums, ratio_max, norms = host[: len(SUMS)], host[len(SUMS)], host[len(SUMS) + 1 :]
+    norms = norms.view(n_opt, 2)
+    _check_finite(sums, norms, state.step + 1, cfg.out)
+    tok = max(sums[_I["tokens"]].item(), 1.0)
+    out = {
+        "loss": sums[0].item() / n_opt,
+        "entropy": sums[_I["entropy"]].item() / tok,
+        "approx_kl": sums[_I["approx_kl"]].item() / tok,
+        "clipfrac": sums[_I["clipfrac"]].item() / tok,
+        "clipfrac_low": sums[_I["clipfrac_low"]].item() / tok,
+        "clipfrac_high": sums[_I["clipfrac_high"]].item() / tok,
+        "ratio_max": ratio_max.item(),
+        "grad_norm": norms[:, 0].mean().item(),
+        "lr": sum(lrs) / len(lrs),
+    }
+    if batch.ref_logp is not None:  # KL to the reference; approx_kl is the KL to pi_old
+        out["kl"] = sums[_I["kl"]].item() / tok
+    if cfg.algo == "ppo":
+        out["value_loss"] = sums[_I["value_loss"]].item() / n_opt
+        out["vf_clipfrac"] = sums[_I["vf_clipfrac"]].item() / tok
+        out["critic_grad_norm"] = norms[:, 1].mean().item()
+    return out
 
-    def _micro_step(
-        self, batch: Batch, idx: Tensor, num_tokens: Tensor, num_seqs: Tensor, sync: bool
-    ) -> tuple[Tensor, Tensor]:
-        """Forward + backward of one micro-batch (rows idx): its metric sums and ratio max."""
-        cfg, r = self.cfg, batch.rollout
-        if len(idx) == 0:  # an empty micro-batch still joins DDP's all-reduce: a masked row
-            idx = torch.zeros(1, dtype=torch.long, device=self.device)
-            mask = torch.zeros_like(r.completion_mask[idx])
-        else:
-            mask = r.completion_mask[idx]
-        no_sync = contextlib.ExitStack() if sync or self.world == 1 else self._no_sync_all()
-        tokens = r.completion_ids[idx]
-        with no_sync:
-            with self.amp():
-                args = (
-                    tokens,
-                    batch.advantages[idx],
-                    batch.old_logp[idx],
-                    batch.ref_logp[idx] if batch.ref_logp is not None else None,
+
+def _micro_step(
+    run: Run,
+    state: TrainState,
+    batch: Batch,
+    idx: Tensor,
+    num_tokens: Tensor,
+    num_seqs: Tensor,
+    sync: bool,
+) -> tuple[Tensor, Tensor]:
+    """Forward + backward of one micro-batch (rows idx): its metric sums and ratio max."""
+    cfg, r = run.cfg, batch.rollout
+    if len(idx) == 0:  # an empty micro-batch still joins DDP's all-reduce: a masked row
+        idx = torch.zeros(1, dtype=torch.long, device=run.device)
+        mask = torch.zeros_like(r.completion_mask[idx])
+    else:
+        mask = r.completion_mask[idx]
+    no_sync = contextlib.ExitStack() if sync or run.world == 1 else _no_sync_all(state)
+    tokens = r.completion_ids[idx]
+    with no_sync:
+        with run.amp():
+            args = (
+                tokens,
+                batch.advantages[idx],
+                batch.old_logp[idx],
+                batch.ref_logp[idx] if batch.ref_logp is not None else None,
+                mask,
+            )
+            kw = dict(config=run.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
+            if run.fused_lm_head:  # LM head through the fused linear loss: never (n, T, V)
+                hidden, head = completion_hidden(state.train_policy, r, idx)
+                w = head.weight
+                out = fused_linear_policy_loss(hidden.to(w.dtype), w, *args, bias=head.bias, **kw)
+            else:
+                logits, _ = forward_completion_logits(state.train_policy, r, idx)  # a view
+                logits = truncate_like_sampler(
+                    logits, tokens, cfg.temperature, cfg.top_k, cfg.top_p
+                )
+                out = policy_loss(logits, *args, **kw)
+            loss = out.loss
+            vloss = vclip = torch.zeros((), device=run.device)
+            if state.critic is not None:
+                values = state.train_critic(r, idx)
+                vloss, vclip = value_loss(
+                    values,
+                    batch.old_values[idx],
+                    batch.returns[idx],
                     mask,
+                    clip=cfg.value_clip,
+                    agg="token-mean",
+                    num_tokens=num_tokens,  # the global count, as for the policy loss
                 )
-                kw = dict(config=self.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
-                if self.fused_lm_head:  # LM head through the fused linear loss: never (n, T, V)
-                    hidden, head = completion_hidden(self.train_policy, r, idx)
-                    w = head.weight
-                    out = fused_linear_policy_loss(
-                        hidden.to(w.dtype), w, *args, bias=head.bias, **kw
-                    )
-                else:
-                    logits, _ = forward_completion_logits(self.train_policy, r, idx)  # a view
-                    logits = truncate_like_sampler(
-                        logits, tokens, cfg.temperature, cfg.top_k, cfg.top_p
-                    )
-                    out = policy_loss(logits, *args, **kw)
-                loss = out.loss
-                vloss = vclip = torch.zeros((), device=self.device)
-                if self.critic is not None:
-                    values = self.train_critic(r, idx)
-                    vloss, vclip = value_loss(
-                        values,
-                        batch.old_values[idx],
-                        batch.returns[idx],
-                        mask,
-                        clip=cfg.value_clip,
-                        agg="token-mean",
-                        num_tokens=num_tokens,  # the global count, as for the policy loss
-                    )
-                    loss = loss + cfg.vf_coef * vloss
-            (loss * self.grad_scale).backward()
-        n_tok = mask.sum().double()
-        m = out.metrics
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        kl = m["kl"].double() if batch.ref_logp is not None and m.get("kl") is not None else zero
-        sums = torch.stack(
-            [
-                out.loss.detach().double(),
-                n_tok,
-                m["entropy"].double() * n_tok,
-                kl * n_tok,
-                m["clipfrac"].double() * n_tok,
-                m["approx_kl"].double() * n_tok,
-                vloss.detach().double(),
-                vclip.double() * n_tok,
-                m["clipfrac_low"].double() * n_tok,
-                m["clipfrac_high"].double() * n_tok,
-            ]
-        )
-        rmax = torch.where(n_tok > 0, m["ratio_max"].double(), zero)
-        return sums, rmax
+                loss = loss + cfg.vf_coef * vloss
+        (loss * run.grad_scale).backward()
+    n_tok = mask.sum().double()
+    m = out.metrics
+    zero = torch.zeros((), dtype=torch.float64, device=run.device)
+    kl = m["kl"].double() if batch.ref_logp is not None and m.get("kl") is not None else zero
+    sums = torch.stack(
+        [
+            out.loss.detach().double(),
+            n_tok,
+            m["entropy"].double() * n_tok,
+            kl * n_tok,
+            m["clipfrac"].double() * n_tok,
+            m["approx_kl"].double() * n_tok,
+            vloss.detach().double(),
+            vclip.double() * n_tok,
+            m["clipfrac_low"].double() * n_tok,
+            m["clipfrac_high"].double() * n_tok,
+        ]
+    )
+    rmax = torch.where(n_tok > 0, m["ratio_max"].double(), zero)
+    return sums, rmax
 
-    @contextlib.contextmanager
-    def _no_sync_all(self):
-        with contextlib.ExitStack() as stack:
-            for m in (self.train_policy, self.train_critic):
-                if m is not None and hasattr(m, "no_sync"):
-                    stack.enter_context(m.no_sync())
-                elif m is not None and hasattr(m, "set_requires_gradient_sync"):  # FSDP2
-                    m.set_requires_gradient_sync(False)
-                    stack.callback(m.set_requires_gradient_sync, True)
-            yield
 
-    def _clip_and_step(self) -> Tensor:
-        """Clip, step; (policy, critic) gradient norms before clipping, on the device (no sync)."""
-        norm = _full(
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
-        )
-        cnorm = torch.zeros_like(norm)
-        if self.critic is not None:
-            cnorm = _full(
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
-            ).to(norm)
-        self.opt.step()
-        self.sched.step()
-        return torch.stack([norm, cnorm])
+@contextlib.contextmanager
+def _no_sync_all(state: TrainState):
+    """No gradient all-reduce in the backwards inside (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync): micro-batches before the last of an optimizer step."""
+    with contextlib.ExitStack() as stack:
+        for m in (state.train_policy, state.train_critic):
+            if m is not None and hasattr(m, "no_sync"):
+                stack.enter_context(m.no_sync())
+            elif m is not None and hasattr(m, "set_requires_gradient_sync"):  # FSDP2
+                m.set_requires_gradient_sync(False)
+                stack.callback(m.set_requires_gradient_sync, True)
+        yield
 
-    def _check_finite(self, sums: Tensor, norms: Tensor) -> None:
-        """Raise TrainingError when this update's loss, value loss or a gradient norm (host
-        copies) is NaN / inf."""
-        if bool(torch.isfinite(sums).all()) and bool(torch.isfinite(norms).all()):
-            return
-        what = []
-        if not torch.isfinite(sums[0]):
-            what.append(f"loss {sums[0].item()}")
-        if not torch.isfinite(sums[_I["value_loss"]]):
-            what.append(f"value loss {sums[_I['value_loss']].item()}")
-        for col, name in ((0, "policy"), (1, "critic")):
-            bad = (~torch.isfinite(norms[:, col])).nonzero().flatten().tolist()
-            if bad:
-                what.append(
-                    f"{name} gradient norm {norms[bad[0], col].item()} at optimizer step "
-                    f"{bad[0] + 1} of {len(norms)}"
-                )
-        if not what:
-            what.append("loss metrics (entropy / KL / clip fractions)")
-        raise TrainingError(
-            f"step {self.step + 1}: non-finite {', '.join(what)}; stopping. The weights are "
-            f"spoiled, so this step is not saved; {self._last_good()}"
-        )
+
+def _clip_and_step(cfg, state: TrainState) -> Tensor:
+    """Clip, step; (policy, critic) gradient norms before clipping, on the device (no sync)."""
+    norm = _full(torch.nn.utils.clip_grad_norm_(state.policy.parameters(), cfg.max_grad_norm))
+    cnorm = torch.zeros_like(norm)
+    if state.critic is not None:
+        cnorm = _full(
+            torch.nn.utils.clip_grad_norm_(state.critic.parameters(), cfg.max_grad_norm)
+        ).to(norm)
+    state.opt.step()
+    state.sched.step()
+    return torch.stack([norm, cnorm])
+
+
+def _check_finite(sums: Tensor, norms: Tensor, step: int, out: str) -> None:
+    """Raise TrainingError naming RL step `step` when this update's loss, value loss or a
+    gradient norm (host copies) is NaN / inf."""
+    if bool(torch.isfinite(sums).all()) and bool(torch.isfinite(norms).all()):
+        return
+    what = []
+    if not torch.isfinite(sums[0]):
+        what.append(f"loss {sums[0].item()}")
+    if not torch.isfinite(sums[_I["value_loss"]]):
+        what.append(f"value loss {sums[_I['value_loss']].item()}")
+    for col, name in ((0, "policy"), (1, "critic")):
+        bad = (~torch.isfinite(norms[:, col])).nonzero().flatten().tolist()
+        if bad:
+            what.append(
+                f"{name} gradient norm {norms[bad[0], col].item()} at optimizer step "
+                f"{bad[0] + 1} of {len(norms)}"
+            )
+    if not what:
+        what.append("loss metrics (entropy / KL / clip fractions)")
+    raise TrainingError(
+        f"step {step}: non-finite {', '.join(what)}; stopping. The weights are "
+        f"spoiled, so this step is not saved; {last_good(out)}"
+    )
 
 
 def _full(norm: Tensor) -> Tensor:
