@@ -20,6 +20,11 @@ Rows whose mask is 0 (prompt and padding positions) are never gathered: no GEMM 
 = 0 there, zero gradient. Finding them reads the mask's count on the host (one sync per call on
 CUDA; the only one). bf16 / fp16 run their GEMMs in that dtype (fp32 accumulation inside the
 GEMM); dW and db are accumulated across chunks in fp32 and cast once.
+
+Layout: this module holds the public functions and their input checks; the chunk loops and the
+torch.library custom ops are in `fastrl._linear_ops`; `group=` (or a DTensor weight sharded
+along the vocabulary) runs `fastrl.vocab_parallel`: each rank's shard of the vocabulary rows,
+merged per row by one all-gather of three fp32 (logp_r, H_r, lse_r).
 """
 
 from __future__ import annotations
@@ -30,306 +35,24 @@ import math
 import torch
 from torch import Tensor
 
-from . import chunked, ops
+from . import ops, vocab_parallel
 from ._inputs import FLOAT_DTYPES, check_mask, check_temperature, describe, prepare_policy_inputs
+from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
+    default_chunk,
+    linear_policy_grad,
+    linear_token_stats,
+    linear_token_stats_backward,
+)
 from .config import LossConfig
-from .terms import PolicyLossOutput, aggregation_weights, is_token_separable, policy_output
+from .terms import PolicyLossOutput, policy_output
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
 
 
-# --------------------------------------------------------------------------- chunk helpers
-def _active_rows(mask: Tensor | None, N: int, device) -> Tensor:
-    """Flat indices (R,) of the rows that count: all of them, or where mask != 0."""
-    if mask is None:
-        return torch.arange(N, device=device)
-    return torch.nonzero(mask.reshape(-1) != 0).view(-1)
-
-
-def _gather(hidden: Tensor, idx: Tensor) -> Tensor:
-    """Rows `idx` (flat indices) of hidden (B, T, H) or (N, H), any strides, as (R, H)."""
-    if hidden.dim() == 2:
-        return hidden.index_select(0, idx)
-    T = hidden.shape[1]
-    return hidden[idx // T, idx % T]
-
-
-class _Buffer:
-    """One (chunk, V) logits buffer reused by every chunk of a call: a fresh allocation per
-    chunk would cost page faults on every chunk (large CPU allocations are mmapped)."""
-
-    def __init__(self, chunk: int, weight: Tensor):
-        self.data = torch.empty(chunk, weight.shape[0], dtype=weight.dtype, device=weight.device)
-
-    def rows(self, R: int) -> Tensor:
-        return self.data[:R]
-
-
-def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap, buf: _Buffer):
-    """z (R, V) in the rows' dtype (in `buf`): s (h W^T + b), then c tanh(. / c) with a
-    softcap."""
-    z = buf.rows(rows.shape[0])
-    if bias is None:
-        torch.mm(rows, weight.t(), out=z)
-    else:
-        torch.addmm(bias, rows, weight.t(), out=z)
-    if logit_scale != 1.0:
-        z.mul_(logit_scale)
-    if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
-    return z
-
-
-def _chain_factor(z: Tensor, logit_scale: float, softcap):
-    """dz/da (R, V) fp32 for a softcap (s (1 - (z / c)^2)); else None (the factor is s)."""
-    if softcap is None:
-        return None
-    t = z.float() / softcap  # a new tensor (z.float() is z itself for fp32)
-    return t.mul_(t).neg_().add_(1.0).mul_(logit_scale)
-
-
-def _to_pre_activation(dz: Tensor, factor, logit_scale: float) -> Tensor:
-    """dL/da from dL/dz, in place."""
-    if factor is not None:
-        return dz.mul_(factor)  # fp32 factor: computed in fp32, cast on store
-    if logit_scale != 1.0:
-        dz.mul_(logit_scale)
-    return dz
-
-
-class _Grads:
-    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32.
-
-    Nothing is zero-filled that the chunks overwrite anyway: the first chunk writes dW (and db)
-    directly, and grad_hidden is zeroed only when some rows are skipped (`n_active` < N)."""
-
-    def __init__(self, N: int, n_active: int, weight: Tensor, bias, hidden_dtype):
-        V, H = weight.shape
-        dev = weight.device
-        alloc = torch.empty if n_active == N else torch.zeros
-        self.hidden = alloc(N, H, dtype=hidden_dtype, device=dev)
-        self.weight = torch.empty(V, H, dtype=torch.float32, device=dev)
-        self.bias = None if bias is None else torch.empty(V, dtype=torch.float32, device=dev)
-        self.started = False
-
-    def add(self, idx: Tensor, rows: Tensor, dz: Tensor, weight: Tensor) -> None:
-        """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V) in the GEMM dtype)."""
-        dz = dz.to(rows.dtype)
-        self.hidden.index_copy_(0, idx, dz @ weight)
-        first, self.started = not self.started, True
-        if dz.dtype == torch.float32:  # beta = 0 on the first chunk: no zero fill, no read
-            self.weight.addmm_(dz.t(), rows, beta=0.0 if first else 1.0)
-        elif first:  # a bf16 / fp16 GEMM, accumulated across chunks in fp32
-            self.weight.copy_(dz.t() @ rows)
-        else:
-            self.weight.add_(dz.t() @ rows)
-        if self.bias is not None:
-            db = dz.sum(0, dtype=torch.float32)
-            if first:
-                self.bias.copy_(db)
-            else:
-                self.bias.add_(db)
-
-    def result(self, weight: Tensor, bias):
-        if not self.started:  # every row masked: the gradients are zero
-            self.weight.zero_()
-            if self.bias is not None:
-                self.bias.zero_()
-        db = None if self.bias is None else self.bias.to(bias.dtype)
-        return self.hidden, self.weight.to(weight.dtype), db
-
-
-def _bias_or_empty(bias, weight):
-    return weight.new_empty(0) if bias is None else bias
-
-
-# --------------------------------------------------------------------------- linear_logprobs ops
-@torch.library.custom_op("fastrl::linear_token_stats", mutates_args=())
-def linear_token_stats(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    tokens: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    chunk: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for the
-    rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed)."""
-    N = tokens.numel()
-    stats = [torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(3)]
-    y = tokens.reshape(-1)
-    active = _active_rows(mask, N, hidden.device)
-    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
-    for s in range(0, active.numel(), chunk):
-        idx = active[s : s + chunk]
-        z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
-        out = ops._row_stats(z[None], y.index_select(0, idx)[None], temperature)
-        for dst, val in zip(stats, out):
-            dst.index_copy_(0, idx, val[0])
-        del z
-    return tuple(stats)
-
-
-@linear_token_stats.register_fake
-def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk):
-    N = tokens.numel()
-    return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(3))
-
-
-@torch.library.custom_op("fastrl::linear_token_stats_backward", mutates_args=())
-def linear_token_stats_backward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    tokens: Tensor,
-    mask: Tensor | None,
-    lse: Tensor,
-    entropy: Tensor,
-    grad_logp: Tensor,
-    grad_entropy: Tensor | None,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-    chunk: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_hidden (N, H), grad_weight (V, H), grad_bias (V,) or (0,)) from g = dL/dlogp and
-    h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X."""
-    N = tokens.numel()
-    y = tokens.reshape(-1)
-    active = _active_rows(mask, N, hidden.device)
-    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype)
-    g_all = grad_logp.reshape(-1).float()
-    h_all = None if grad_entropy is None else grad_entropy.reshape(-1).float()
-    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
-    for s in range(0, active.numel(), chunk):
-        idx = active[s : s + chunk]
-        rows = _gather(hidden, idx)
-        z = _logits(rows, weight, bias, logit_scale, softcap, buf)
-        factor = _chain_factor(z, logit_scale, softcap)
-        pick = lambda t, idx=idx: t.index_select(0, idx)[None]  # noqa: E731
-        dz = z[None]  # dL/dz overwrites the logits (each row is read before it is written)
-        ops._row_grad_(
-            z[None], pick(y), pick(lse), pick(entropy), pick(g_all),
-            None if h_all is None else pick(h_all), temperature, dz,
-        )  # fmt: skip
-        grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
-        del z, dz, factor
-    dh, dw, db = grads.result(weight, bias)
-    return dh, dw, _bias_or_empty(db, weight)
-
-
-@linear_token_stats_backward.register_fake
-def _(hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, temperature,
-      logit_scale, softcap, chunk):  # fmt: skip
-    N, H = tokens.numel(), weight.shape[1]
-    V = weight.shape[0] if bias is not None else 0
-    return hidden.new_empty(N, H), torch.empty_like(weight), weight.new_empty(V)
-
-
-def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk = inputs
-    logp, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, bias, tokens, mask, lse, entropy)
-    ctx.args = (temperature, logit_scale, softcap, chunk)
-    ctx.has_bias = bias is not None
-    ctx.hidden_shape = hidden.shape
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_logp, grad_entropy, grad_lse):
-    ops.refuse_double_backward("linear_logprobs")
-    hidden, weight, bias, tokens, mask, lse, entropy = ctx.saved_tensors
-    if grad_logp is None:
-        grad_logp = torch.zeros_like(lse)
-    with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtype, as is
-        dh, dw, db = linear_token_stats_backward(
-            hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, *ctx.args
-        )
-    return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
-            None, None)  # fmt: skip
-
-
-linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --------------------------------------------------------------------------- the fused policy loss
-torch.library.define(
-    "fastrl::linear_policy_grad",
-    f"(Tensor hidden, Tensor weight, Tensor? bias, {ops.POLICY_ARGS_SCHEMA}, float logit_scale, "
-    "float? softcap, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
-
-
-@torch.library.impl("fastrl::linear_policy_grad", "default")
-def _linear_policy_grad(hidden, weight, bias, *args):
-    """(logp, entropy) fp32 (B, T) and the gradients (hidden (N, H), weight, bias or (0,)) of
-    the policy loss of SPEC 1-5 on z = softcap(s (hidden W^T + b)), all in the forward.
-    `args`: the per-token inputs (ops.POLICY_ARGS_SCHEMA, (B, T)), then logit_scale, softcap and
-    chunk; hidden's rows flatten to N = B T."""
-    x = ops.policy_inputs_from_op(None, args[:-3])
-    logit_scale, softcap, chunk = args[-3:]
-    tokens, mask = x.tokens, x.mask
-    tau = x.config.temperature
-    B, T = tokens.shape
-    N = B * T
-    logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(2))
-    active = _active_rows(mask, N, hidden.device)
-    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype)
-    chunks = [active[s : s + chunk] for s in range(0, active.numel(), chunk)]
-    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
-    if is_token_separable(x.config):
-        flat = ops.flat_inputs(x)
-        with ops._autograd_enabled():  # we run inside a custom op: below autograd
-            weights = aggregation_weights(x).reshape(1, N)
-        for idx in chunks:  # three GEMMs per chunk
-            rows = _gather(hidden, idx)
-            z = _logits(rows, weight, bias, logit_scale, softcap, buf)
-            factor = _chain_factor(z, logit_scale, softcap)
-            x_rows = ops.select_rows(flat, idx)
-            lp, ent = ops.stats_and_grad_(
-                z[None], x_rows.tokens, tau, x_rows, z[None], weights.index_select(1, idx)
-            )
-            logp.index_copy_(0, idx, lp[0])
-            entropy.index_copy_(0, idx, ent[0])
-            grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
-            del z, factor
-    else:  # sequence-level options: statistics of every row first (four GEMMs per chunk)
-        lse = torch.zeros(N, dtype=torch.float32, device=hidden.device)
-        y = tokens.reshape(-1)
-        for idx in chunks:
-            z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
-            for dst, val in zip((logp, entropy, lse), ops._row_stats(
-                    z[None], y.index_select(0, idx)[None], tau)):  # fmt: skip
-                dst.index_copy_(0, idx, val[0])
-            del z
-        g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
-        dh, dw, db = linear_token_stats_backward(
-            hidden, weight, bias, tokens, mask, lse, entropy, g.reshape(-1),
-            None if h is None else h.reshape(-1), tau, logit_scale, softcap, chunk,
-        )  # fmt: skip
-        return logp.view(B, T), entropy.view(B, T), dh, dw, db
-    dh, dw, db = grads.result(weight, bias)
-    return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
-
-
-@torch.library.register_fake("fastrl::linear_policy_grad")
-def _(hidden, weight, bias, *args):
-    B, T = args[0].shape  # tokens
-    V = weight.shape[0] if bias is not None else 0
-    stats = [hidden.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
-    return (*stats, hidden.new_empty(B * T, weight.shape[1]), torch.empty_like(weight),
-            weight.new_empty(V))  # fmt: skip
-
-
-linear_policy_grad = torch.ops.fastrl.linear_policy_grad.default
-
-
-# --------------------------------------------------------------------------- public functions
-def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
-    """Validate the LM-head arguments; returns (V, H)."""
+# --------------------------------------------------------------------------- input checks
+def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=False):
+    """Validate the LM-head arguments; returns (V, H). `shard`: weight is one rank's shard of
+    the vocabulary rows (V = V_r, which may be 0)."""
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, Tensor) or t.dtype not in FLOAT_DTYPES:
             raise ValueError(
@@ -341,7 +64,7 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
             "hidden (B, T, H) or (N, H) and weight (V, H) with the same H"
         )
     V, H = weight.shape
-    if H < 1 or V < 1:
+    if H < 1 or V < (0 if shard else 1):
         raise ValueError(f"weight must be (V, H) with V >= 1 and H >= 1, got {tuple(weight.shape)}")
     if weight.device != hidden.device or weight.dtype != hidden.dtype:
         raise ValueError(
@@ -354,7 +77,8 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
         or bias.dtype != weight.dtype
         or bias.device != weight.device
     ):
-        raise ValueError(f"bias must be a ({V},) tensor like weight, got {describe(bias)}")
+        what = " (this rank's shard of the vocabulary)" if shard else ""
+        raise ValueError(f"bias must be a ({V},) tensor like weight{what}, got {describe(bias)}")
     if (
         isinstance(logit_scale, bool)
         or not isinstance(logit_scale, (int, float))
@@ -374,9 +98,9 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size):
     return V, H
 
 
-def _check_tokens(tokens, hidden: Tensor, V: int) -> None:
+def _check_tokens(tokens, hidden: Tensor, V: int | None) -> None:
     """tokens: int64 / int32, hidden's shape without H, hidden's device; values in [0, V) (read
-    on CPU tensors only, outside compiled graphs: no device sync)."""
+    on CPU tensors only, outside compiled graphs: no device sync; V None: not here)."""
     if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be an int64 / int32 tensor, got {describe(tokens)}")
     if tuple(tokens.shape) != tuple(hidden.shape[:-1]) or tokens.device != hidden.device:
@@ -384,6 +108,8 @@ def _check_tokens(tokens, hidden: Tensor, V: int) -> None:
             f"tokens must have shape {tuple(hidden.shape[:-1])} (hidden without H) on "
             f"{hidden.device}, got {describe(tokens)}"
         )
+    if V is None:
+        return
     if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= V:
@@ -411,12 +137,7 @@ def _under_autocast(hidden: Tensor, weight: Tensor, bias: Tensor | None):
     return cast(hidden), cast(weight), cast(bias), off
 
 
-def default_chunk(V: int) -> int:
-    """Rows per chunk of the LM-head paths: about 64 MB of fp32 logits (a few such
-    temporaries exist at once)."""
-    return 2 * chunked.chunk_rows(V)
-
-
+# --------------------------------------------------------------------------- public functions
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -429,6 +150,7 @@ def linear_logprobs(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    group=None,
 ):
     """Per-token log-probs (and entropies) of `tokens` under the LM head, never holding (N, V).
 
@@ -442,7 +164,20 @@ def linear_logprobs(
     H_t = -sum_j p_j log p_j. Returns fp32 logp shaped like tokens, or (logp, H) with
     `entropy=True`; both differentiable w.r.t. hidden, weight and bias (the exact entropy
     gradient of SPEC 6), through torch.library custom ops (torch.compile traces them).
-    Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V)` rows)."""
+    Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V)` rows).
+
+    Vocab-parallel (`group`: a torch.distributed process group of P ranks, or a `weight` that is
+    a DTensor sharded along dim 0 on a 1-D DeviceMesh): weight (V_r, H) and bias (V_r,) are this
+    rank's contiguous shard of the vocabulary rows, in rank order (uneven shards allowed);
+    hidden, tokens (global ids in [0, V)) and mask are the same on every rank. Each shard's
+    per-row (logp_r, H_r, lse_r) are merged by one all-gather of 3 fp32 per row (12 B sent,
+    12 P B received per counted row; forward); the backward keeps dW_r and db_r local and
+    all-reduces dX (N x H in hidden's dtype). Memory: the single-device op's on V_r columns plus
+    (P, R, 3) fp32. Runs eagerly (torch.compile graph-breaks around it); see
+    `fastrl.vocab_parallel`."""
+    if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
+        return _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask,
+                                   logit_scale, softcap, chunk_size, group)  # fmt: skip
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
     temperature = check_temperature(temperature)
@@ -455,6 +190,42 @@ def linear_logprobs(
             None if softcap is None else float(softcap), chunk_size or default_chunk(V),
         )  # fmt: skip
     logp, ent = logp.view(tokens.shape), ent.view(tokens.shape)
+    return (logp, ent) if entropy else logp
+
+
+def _eager(fn):
+    """`fn` run eagerly: under torch.compile a graph break around it (collectives and a host read
+    are no graph). torch.compiler.disable is applied at call time, only when compiling: applied
+    at import it would import torch._dynamo with fastrl (seconds)."""
+
+    def run(*args):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args)
+        return fn(*args)
+
+    return run
+
+
+@_eager
+def _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask, logit_scale,
+                        softcap, chunk_size, group):  # fmt: skip
+    weight, bias, group, shard = vocab_parallel.resolve(weight, bias, group)
+    hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
+
+    def check():
+        _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=True)
+        tau = check_temperature(temperature)
+        _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
+        m = None if mask is None else check_mask("mask", mask, tuple(tokens.shape),
+                                                 tokens.device, as_float=False)  # fmt: skip
+        return tau, m
+
+    tau, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
+    with autocast_off:
+        logp, ent = vocab_parallel.linear_logprobs(
+            hidden, weight, bias, tokens, tau, float(logit_scale),
+            None if softcap is None else float(softcap), plan,
+        )  # fmt: skip
     return (logp, ent) if entropy else logp
 
 
@@ -473,6 +244,7 @@ def fused_linear_policy_loss(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    group=None,
     **overrides,
 ) -> PolicyLossOutput:
     """`policy_loss(softcap(s (hidden @ weight.T + bias)), ...)` without the (N, V) logits.
@@ -486,7 +258,19 @@ def fused_linear_policy_loss(
     backward scales those gradients by the upstream gradient (no pass when it is 1).
     Sequence-level options (GSPO ratio, sequence IS weights) take two phases (four GEMMs).
     Returns the same PolicyLossOutput as `policy_loss` (loss differentiable w.r.t. hidden,
-    weight and bias)."""
+    weight and bias).
+
+    Vocab-parallel (`group`, or a DTensor weight), as in `linear_logprobs`: weight / bias are
+    this rank's shard, every per-token input is replicated, and loss, logp, H and metrics are the
+    same on every rank. Per chunk of counted rows one all-gather of 3 fp32 per row (12 B sent,
+    12 P B received) merges the shards' statistics before g, h and dz (sequence-level options:
+    one all-gather for all rows, then the gradient pass); dW_r, db_r stay local and dX (N x H,
+    hidden's dtype) is all-reduced once, in the forward."""
+    if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
+        return _fused_linear_policy_loss_vp(
+            hidden, weight, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config,
+            bias, logit_scale, softcap, chunk_size, group, overrides,
+        )  # fmt: skip
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
     _check_tokens(tokens, hidden, V)
@@ -501,6 +285,11 @@ def fused_linear_policy_loss(
     with autocast_off:
         out, grads = _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk,
                                             wants_grad)  # fmt: skip
+    return _attach(out, params, grads, wants_grad)
+
+
+def _attach(out: PolicyLossOutput, params, grads, wants_grad) -> PolicyLossOutput:
+    """out.loss made differentiable w.r.t. `params`, whose gradients `grads` are known."""
     if wants_grad:
         pairs = [(p, gr) for p, gr in zip(params, grads) if p.requires_grad]
         out.loss = ops.attach_grads(out.loss, [p for p, _ in pairs], [gr for _, gr in pairs])
@@ -527,3 +316,34 @@ def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wan
     if not wants_grad:
         return out, None
     return out, [dh.view(hidden.shape), dw] + ([] if bias is None else [db])
+
+
+@_eager
+def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, ref_logp, mask,
+                                 rollout_logp, config, bias, logit_scale, softcap, chunk_size,
+                                 group, overrides):  # fmt: skip
+    weight, bias, group, shard = vocab_parallel.resolve(weight, bias, group)
+    hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
+
+    def check():
+        _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=True)
+        _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
+        x = prepare_policy_inputs(
+            None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides
+        )
+        return x, x.mask
+
+    x, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
+    params = [t for t in (hidden, weight, bias) if t is not None]
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    cap = None if softcap is None else float(softcap)
+    with autocast_off, torch.no_grad():
+        logp, entropy, grads = vocab_parallel.policy_grads(
+            hidden.detach(), weight.detach(), None if bias is None else bias.detach(), x,
+            float(logit_scale), cap, plan, wants_grad,
+        )  # fmt: skip
+        out = policy_output(logp, entropy, x)
+    if wants_grad:
+        dh, dw, db = grads
+        grads = [dh.view(hidden.shape), dw] + ([] if bias is None else [db])
+    return _attach(out, params, grads, wants_grad)

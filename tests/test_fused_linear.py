@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastrl
-from fastrl import linear as L
+from fastrl import _linear_ops as L
 from fastrl import reference as R
 from fastrl.config import PRESETS
 

@@ -45,6 +45,13 @@ def test_usage_example_runs(tmp_path):
     assert loss == loss  # a number, not NaN
 
 
+def test_packed_section_runs(tmp_path):
+    proc = _run([sys.executable, "-c", _python_block(_section("Packed (padding-free) batches"))],
+                tmp_path, timeout=300)  # fmt: skip
+    loss = float(proc.stdout.split()[0])
+    assert loss == loss
+
+
 def test_trl_section_runs(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")

@@ -1,0 +1,352 @@
+"""The LM-head custom ops behind `fastrl.linear`: logits by row chunks, never (N, V).
+
+Per chunk of R rows (the rows whose mask is not 0, gathered from hidden (N, H) or (B, T, H)):
+
+    a = h W^T (+ b)                (R, V) one GEMM, in the hidden states' dtype, into one reused
+                                   (chunk, V) buffer
+    z = s a, or c tanh(s a / c)    logit_scale s, Gemma-style softcap c (exact gradients)
+    z' = z / tau                   then the fused row statistics of fastrl.ops (logp, H, lse)
+
+and, for a gradient, dL/dz in place of z (SPEC 6), dL/da = dz * dz/da, then dX[rows] = da W and
+dW += da^T X (fp32 accumulation of dW and db across chunks, cast once at the end).
+
+Registered ops (namespace "fastrl"; fake implementations included, so torch.compile traces them):
+  fastrl::linear_token_stats(hidden, weight, bias, tokens, mask, tau, s, c, chunk)
+      -> (logp, entropy, lse), fp32 (N,) each; 0 where mask == 0
+  fastrl::linear_token_stats_backward(..., lse, entropy, g, h, ...) -> (dX, dW, db or (0,))
+  fastrl::linear_policy_grad(hidden, weight, bias, <ops.POLICY_ARGS_SCHEMA>, s, c, chunk)
+      -> (logp, entropy, dX, dW, db or (0,)): the policy loss's gradient in its forward
+
+The plain functions `local_stats` and `local_grads` are the same loops over a given set of rows;
+`fastrl.vocab_parallel` runs them on one rank's shard of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import chunked, ops
+from .terms import aggregation_weights, is_token_separable
+
+
+# --------------------------------------------------------------------------- chunk helpers
+def default_chunk(V: int) -> int:
+    """Rows per chunk of the LM-head paths: about 64 MB of fp32 logits (a few such
+    temporaries exist at once)."""
+    return 2 * chunked.chunk_rows(V)
+
+
+def _active_rows(mask: Tensor | None, N: int, device) -> Tensor:
+    """Flat indices (R,) int64 of the rows that count: all of them, or where mask != 0."""
+    if mask is None:
+        return torch.arange(N, device=device)
+    return torch.nonzero(mask.reshape(-1) != 0).view(-1)
+
+
+def _gather(hidden: Tensor, idx: Tensor) -> Tensor:
+    """Rows `idx` (flat indices) of hidden (B, T, H) or (N, H), any strides, as (R, H)."""
+    if hidden.dim() == 2:
+        return hidden.index_select(0, idx)
+    T = hidden.shape[1]
+    return hidden[idx // T, idx % T]
+
+
+class _Buffer:
+    """One (chunk, V) logits buffer reused by every chunk of a call: a fresh allocation per
+    chunk would cost page faults on every chunk (large CPU allocations are mmapped)."""
+
+    def __init__(self, chunk: int, weight: Tensor):
+        self.data = torch.empty(chunk, weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+    def rows(self, R: int) -> Tensor:
+        return self.data[:R]
+
+
+def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap, buf: _Buffer):
+    """z (R, V) in the rows' dtype (in `buf`): s (h W^T + b), then c tanh(. / c) with a
+    softcap."""
+    z = buf.rows(rows.shape[0])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=z)
+    else:
+        torch.addmm(bias, rows, weight.t(), out=z)
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _chain_factor(z: Tensor, logit_scale: float, softcap):
+    """dz/da (R, V) fp32 for a softcap (s (1 - (z / c)^2)); else None (the factor is s)."""
+    if softcap is None:
+        return None
+    t = z.float() / softcap  # a new tensor (z.float() is z itself for fp32)
+    return t.mul_(t).neg_().add_(1.0).mul_(logit_scale)
+
+
+def _to_pre_activation(dz: Tensor, factor, logit_scale: float) -> Tensor:
+    """dL/da from dL/dz, in place."""
+    if factor is not None:
+        return dz.mul_(factor)  # fp32 factor: computed in fp32, cast on store
+    if logit_scale != 1.0:
+        dz.mul_(logit_scale)
+    return dz
+
+
+class _Grads:
+    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32.
+
+    Nothing is zero-filled that the chunks overwrite anyway: the first chunk writes dW (and db)
+    directly, and grad_hidden is zeroed only when some rows are skipped (`n_active` < N)."""
+
+    def __init__(self, N: int, n_active: int, weight: Tensor, bias, hidden_dtype):
+        V, H = weight.shape
+        dev = weight.device
+        alloc = torch.empty if n_active == N else torch.zeros
+        self.hidden = alloc(N, H, dtype=hidden_dtype, device=dev)
+        self.weight = torch.empty(V, H, dtype=torch.float32, device=dev)
+        self.bias = None if bias is None else torch.empty(V, dtype=torch.float32, device=dev)
+        self.started = False
+
+    def add(self, idx: Tensor, rows: Tensor, dz: Tensor, weight: Tensor) -> None:
+        """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V) in the GEMM dtype)."""
+        dz = dz.to(rows.dtype)
+        self.hidden.index_copy_(0, idx, dz @ weight)
+        first, self.started = not self.started, True
+        if dz.dtype == torch.float32:  # beta = 0 on the first chunk: no zero fill, no read
+            self.weight.addmm_(dz.t(), rows, beta=0.0 if first else 1.0)
+        elif first:  # a bf16 / fp16 GEMM, accumulated across chunks in fp32
+            self.weight.copy_(dz.t() @ rows)
+        else:
+            self.weight.add_(dz.t() @ rows)
+        if self.bias is not None:
+            db = dz.sum(0, dtype=torch.float32)
+            if first:
+                self.bias.copy_(db)
+            else:
+                self.bias.add_(db)
+
+    def result(self, weight: Tensor, bias):
+        if not self.started:  # every row masked: the gradients are zero
+            self.weight.zero_()
+            if self.bias is not None:
+                self.bias.zero_()
+        db = None if self.bias is None else self.bias.to(bias.dtype)
+        return self.hidden, self.weight.to(weight.dtype), db
+
+
+def _bias_or_empty(bias, weight):
+    return weight.new_empty(0) if bias is None else bias
+
+
+def row_stats(z: Tensor, y: Tensor, temperature: float):
+    """(logp, entropy, lse) fp32 (1, R) of a chunk's logits z (1, R, V), tokens y (1, R), on the
+    device's backend (`ops.backend`)."""
+    return ops.backend(z.device).row_stats(z, y, float(temperature))
+
+
+def row_grad_(z: Tensor, y, lse, entropy, g, h, temperature: float) -> Tensor:
+    """SPEC 6's dL/dz written over the chunk's logits z (1, R, V) (each row is read before it is
+    written) from its (1, R) statistics and g, h (h None: 0)."""
+    return ops.backend(z.device).row_grad_(z, y, lse, entropy, g, h, float(temperature), z)
+
+
+def _chunks(active: Tensor, chunk: int) -> list[Tensor]:
+    return [active[s : s + chunk] for s in range(0, active.numel(), chunk)]
+
+
+def scatter_rows(values: Tensor, active: Tensor, N: int) -> list[Tensor]:
+    """(k, R) values of the rows `active` as k separate fp32 (N,) tensors, 0 elsewhere."""
+    out = [torch.zeros(N, dtype=torch.float32, device=values.device) for _ in values]
+    for dst, val in zip(out, values):
+        dst.index_copy_(0, active, val)
+    return out
+
+
+# --------------------------------------------------------------------------- the two loops
+def local_stats(hidden, weight, bias, y, active, temperature, logit_scale, softcap, chunk):
+    """fp32 (3, R) (logp, entropy, lse) of the rows `active` (R,) of hidden, tokens y (N,)
+    (flat, in [0, V)), z = softcap(s (hidden W^T + b)) / tau; `chunk` rows per GEMM."""
+    out = torch.empty(3, active.numel(), dtype=torch.float32, device=hidden.device)
+    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
+    for s, idx in zip(range(0, active.numel(), chunk), _chunks(active, chunk)):
+        z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
+        stats = row_stats(z[None], y.index_select(0, idx)[None], temperature)
+        out[:, s : s + idx.numel()] = torch.cat(stats)  # each (1, R)
+        del z
+    return out
+
+
+def local_grads(hidden, weight, bias, y, active, lse, entropy, g, h, temperature, logit_scale,
+                softcap, chunk):  # fmt: skip
+    """(dX (N, H), dW, db or None) from g = dL/dlogp and h = dL/dH (fp32 (N,), h may be None)
+    and the rows' lse and H (N,): per chunk of `active` the logits again, SPEC 6's dz in place,
+    then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry at y (its row's dz is
+    -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not own it)."""
+    grads = _Grads(y.numel(), active.numel(), weight, bias, hidden.dtype)
+    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
+    for idx in _chunks(active, chunk):
+        rows = _gather(hidden, idx)
+        z = _logits(rows, weight, bias, logit_scale, softcap, buf)
+        factor = _chain_factor(z, logit_scale, softcap)
+        pick = lambda t, idx=idx: None if t is None else t.index_select(0, idx)[None]  # noqa: E731
+        row_grad_(z[None], pick(y), pick(lse), pick(entropy), pick(g), pick(h), temperature)
+        grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
+        del z, factor
+    return grads.result(weight, bias)
+
+
+# --------------------------------------------------------------------------- linear_logprobs ops
+@torch.library.custom_op("fastrl::linear_token_stats", mutates_args=())
+def linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    mask: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for the
+    rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed)."""
+    N = tokens.numel()
+    active = _active_rows(mask, N, hidden.device)
+    local = local_stats(hidden, weight, bias, tokens.reshape(-1), active, temperature,
+                        logit_scale, softcap, chunk)  # fmt: skip
+    return tuple(scatter_rows(local, active, N))
+
+
+@linear_token_stats.register_fake
+def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk):
+    N = tokens.numel()
+    return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("fastrl::linear_token_stats_backward", mutates_args=())
+def linear_token_stats_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    mask: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden (N, H), grad_weight (V, H), grad_bias (V,) or (0,)) from g = dL/dlogp and
+    h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X."""
+    active = _active_rows(mask, tokens.numel(), hidden.device)
+    h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+    dh, dw, db = local_grads(
+        hidden, weight, bias, tokens.reshape(-1), active, lse, entropy,
+        grad_logp.reshape(-1).float(), h, temperature, logit_scale, softcap, chunk,
+    )  # fmt: skip
+    return dh, dw, _bias_or_empty(db, weight)
+
+
+@linear_token_stats_backward.register_fake
+def _(hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, temperature,
+      logit_scale, softcap, chunk):  # fmt: skip
+    N, H = tokens.numel(), weight.shape[1]
+    V = weight.shape[0] if bias is not None else 0
+    return hidden.new_empty(N, H), torch.empty_like(weight), weight.new_empty(V)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk = inputs
+    logp, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, tokens, mask, lse, entropy)
+    ctx.args = (temperature, logit_scale, softcap, chunk)
+    ctx.has_bias = bias is not None
+    ctx.hidden_shape = hidden.shape
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logp, grad_entropy, grad_lse):
+    ops.refuse_double_backward("linear_logprobs")
+    hidden, weight, bias, tokens, mask, lse, entropy = ctx.saved_tensors
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtype, as is
+        dh, dw, db = linear_token_stats_backward(
+            hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, *ctx.args
+        )
+    return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
+            None, None)  # fmt: skip
+
+
+linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- the fused policy loss
+torch.library.define(
+    "fastrl::linear_policy_grad",
+    f"(Tensor hidden, Tensor weight, Tensor? bias, {ops.POLICY_ARGS_SCHEMA}, float logit_scale, "
+    "float? softcap, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.impl("fastrl::linear_policy_grad", "default")
+def _linear_policy_grad(hidden, weight, bias, *args):
+    """(logp, entropy) fp32 (B, T) and the gradients (hidden (N, H), weight, bias or (0,)) of
+    the policy loss of SPEC 1-5 on z = softcap(s (hidden W^T + b)), all in the forward.
+    `args`: the per-token inputs (ops.POLICY_ARGS_SCHEMA, (B, T)), then logit_scale, softcap and
+    chunk; hidden's rows flatten to N = B T."""
+    x = ops.policy_inputs_from_op(None, args[:-3])
+    logit_scale, softcap, chunk = args[-3:]
+    tokens, mask = x.tokens, x.mask
+    tau = x.config.temperature
+    B, T = tokens.shape
+    N = B * T
+    active = _active_rows(mask, N, hidden.device)
+    if not is_token_separable(x.config):  # statistics of every row first (four GEMMs per chunk)
+        y = tokens.reshape(-1)
+        local = local_stats(hidden, weight, bias, y, active, tau, logit_scale, softcap, chunk)
+        logp, entropy, lse = scatter_rows(local, active, N)
+        g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
+        dh, dw, db = local_grads(
+            hidden, weight, bias, y, active, lse, entropy, g.reshape(-1).float(),
+            None if h is None else h.reshape(-1).float(), tau, logit_scale, softcap, chunk,
+        )  # fmt: skip
+        return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
+    logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(2))
+    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype)
+    buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
+    flat = ops.flat_inputs(x)
+    with ops._autograd_enabled():  # we run inside a custom op: below autograd
+        weights = aggregation_weights(x).reshape(1, N)
+    for idx in _chunks(active, chunk):  # three GEMMs per chunk
+        rows = _gather(hidden, idx)
+        z = _logits(rows, weight, bias, logit_scale, softcap, buf)
+        factor = _chain_factor(z, logit_scale, softcap)
+        x_rows = ops.select_rows(flat, idx)
+        lp, ent = ops.stats_and_grad_(
+            z[None], x_rows.tokens, tau, x_rows, z[None], weights.index_select(1, idx)
+        )
+        logp.index_copy_(0, idx, lp[0])
+        entropy.index_copy_(0, idx, ent[0])
+        grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
+        del z, factor
+    dh, dw, db = grads.result(weight, bias)
+    return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
+
+
+@torch.library.register_fake("fastrl::linear_policy_grad")
+def _(hidden, weight, bias, *args):
+    B, T = args[0].shape  # tokens
+    V = weight.shape[0] if bias is not None else 0
+    stats = [hidden.new_empty((B, T), dtype=torch.float32) for _ in range(2)]
+    return (*stats, hidden.new_empty(B * T, weight.shape[1]), torch.empty_like(weight),
+            weight.new_empty(V))  # fmt: skip
+
+
+linear_policy_grad = torch.ops.fastrl.linear_policy_grad.default

@@ -1,0 +1,312 @@
+"""The vocab-parallel LM head: `linear_logprobs(..., group=pg)` and
+`fused_linear_policy_loss(..., group=pg)` (issue 20).
+
+Each of the P ranks of `group` holds a contiguous shard of the vocabulary rows, in rank order
+(uneven shards, even empty ones, are allowed): weight_r (V_r, H), bias_r (V_r,), the vocabulary
+[o_r, o_r + V_r) with o_r = sum of the lower ranks' V_r. hidden (N, H), tokens (global ids in
+[0, V)), the mask and every per-token input are replicated: the same on every rank. A weight that
+is a DTensor sharded along dim 0 on a 1-D DeviceMesh is the same thing (`resolve`: its local
+shard, the mesh's group, its mesh coordinate as the shard index).
+
+Math, per row (z' the row's logits over the whole vocabulary, split in the P shards):
+each rank computes, over its own columns only, exactly what the single-device op computes over
+all of them, (logp_r, H_r, lse_r) = (z'_y - lse_r, -sum p^r log p^r, logsumexp z'^r) with
+p^r = softmax of the shard's logits (logp_r only means something on the rank that owns y). Then
+
+    lse  = logsumexp_r lse_r,   pi_r = exp(lse_r - lse)    (the shards' probability mass)
+    H    = sum_r pi_r (H_r + lse - lse_r)                    (mixture entropy: no cancellation)
+    logp = logp_own + lse_own - lse                          (own: the rank that holds y)
+
+so ONE collective per row merges them: an all-gather of the three fp32 (logp_r, H_r, lse_r), 12 B
+sent per row per rank, 12 P B received and held (a (P, R, 3) fp32 buffer), merged identically
+on every rank (same numbers everywhere, no separate max all-reduce, no overflow for any
+offset: the merge is in log space). The backward on this shard's columns needs only the
+global lse and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j)
+- h p_j (log p_j + H)], where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r
+stay local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
+
+Collectives per call: one all-gather of 8 int64 per rank (shard sizes, row counts, chunk size,
+token range, an input-check flag: the one host read of the call) that checks the inputs are
+replicated and gives the offsets; then `linear_logprobs`: forward one all-gather of (R, 3) fp32
+(R = rows whose mask is not 0), backward one all-reduce of dX (N, H); `fused_linear_policy_loss`
+with a token-separable config: one (chunk, 3) all-gather per chunk of rows (three GEMMs per
+chunk, the gradient in the forward) and the dX all-reduce; sequence-level options: one (R, 3)
+all-gather, then the gradient pass (four GEMMs per chunk) and the dX all-reduce. Memory per rank:
+the single-device op's on V_r columns (a few (chunk, V_r) buffers) plus (P, chunk, 3) fp32.
+The chunk size is the same on every rank (`default_chunk` of the widest shard, or chunk_size).
+
+This path runs eagerly, outside the custom ops (a process group is no op argument):
+torch.compile graph-breaks around it (`fullgraph=True` raises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+from ._linear_ops import (
+    _active_rows,
+    _Buffer,
+    _chain_factor,
+    _chunks,
+    _gather,
+    _Grads,
+    _logits,
+    _to_pre_activation,
+    default_chunk,
+    local_grads,
+    local_stats,
+    row_grad_,
+    row_stats,
+    scatter_rows,
+)
+from .terms import aggregation_weights, is_token_separable
+
+
+# --------------------------------------------------------------------------- DTensor and the plan
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local_shard(name: str, t, mesh=None):
+    """The local rows of a DTensor sharded along dim 0 on a 1-D mesh (differentiable: its
+    gradient flows back as a DTensor of the same placements), and its mesh."""
+    from torch.distributed.tensor import Shard
+
+    placements, dmesh = tuple(t.placements), t.device_mesh
+    if dmesh.ndim != 1 or len(placements) != 1 or placements[0] != Shard(0):
+        raise ValueError(
+            f"{name} is a DTensor with placements {placements} on a {dmesh.ndim}-D DeviceMesh: the "
+            "vocab-parallel LM head needs (Shard(0),) on a 1-D mesh (each rank a contiguous shard "
+            "of the vocabulary rows)"
+        )
+    if mesh is not None and dmesh != mesh:
+        raise ValueError(f"{name} is a DTensor on another DeviceMesh than weight's")
+    return t.to_local(), dmesh
+
+
+def resolve(weight, bias, group):
+    """(weight, bias, group, shard index): a DTensor weight (and bias) as its local shard, the
+    mesh's process group and this rank's mesh coordinate; plain tensors as given, the shard
+    index being the rank in `group`."""
+    if is_dtensor(weight):
+        weight, mesh = _local_shard("weight", weight)
+        if is_dtensor(bias):
+            bias, _ = _local_shard("bias", bias, mesh)
+        if group is not None and group != mesh.get_group():
+            raise ValueError("group is not the process group of weight's DeviceMesh")
+        return weight, bias, mesh.get_group(), mesh.get_local_rank()
+    if is_dtensor(bias):
+        raise ValueError("bias is a DTensor but weight is not: pass both as DTensors or neither")
+    if group is None:
+        raise ValueError("the vocab-parallel LM head needs group= or a DTensor weight")
+    return weight, bias, group, dist.get_rank(group)
+
+
+@dataclass
+class Plan:
+    """This rank's place in the vocab-parallel group, for one call."""
+
+    group: object
+    rank: int  # in the group
+    size: int  # P
+    offset: int  # o_r: this shard's first vocabulary id
+    width: int  # V_r (may be 0)
+    vocab: int  # V, the whole vocabulary
+    chunk: int  # rows per GEMM, the same on every rank
+    active: Tensor  # (R,) int64 rows whose mask is not 0
+    ends: Tensor  # (P,) int64: o_k + V_k of shard k, in shard order
+    shard_rank: Tensor  # (P,) int64: the group rank that holds shard k
+
+    def owner(self, y: Tensor) -> Tensor:
+        """The group rank that holds token y (global ids in [0, V)), (R,) int64."""
+        return self.shard_rank[torch.searchsorted(self.ends, y, right=True)]
+
+
+def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[object, Plan]:
+    """Run `check()` -> (result, mask or None) and exchange what every rank must agree on: one
+    all-gather of 8 int64 per rank and one host read. A failed check is raised on every rank
+    (the failing rank's own message on it), so that no rank waits in a collective for one that
+    raised; so are inputs that differ across ranks and tokens outside [0, V)."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
+    try:
+        result, mask = check()
+        N = tokens.numel()
+        active = _active_rows(mask, N, device)
+        info = [1, shard_index, weight.shape[0], N, active.numel(), chunk_size or 0]
+        error = None
+    except Exception as e:  # raised below, once every rank has reported
+        error, info, result, active = e, [0, shard_index, 0, 0, 0, 0], None, None
+    mine = torch.tensor(info + [0, -1], dtype=torch.int64, device=device)
+    if error is None and tokens.numel():
+        mine[6:] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
+    table = mine.new_empty(P, mine.numel())
+    dist.all_gather(list(table.unbind(0)), mine, group=group)
+    rows = table.tolist()
+    failed = [r for r in range(P) if rows[r][0] == 0]
+    where = f"(vocab-parallel LM head, rank {me} of {P})"
+    if isinstance(error, ValueError):
+        raise ValueError(f"{error} {where}") from error
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"rank(s) {failed} of the group rejected their inputs {where}")
+    if sorted(r[1] for r in rows) != list(range(P)):
+        raise ValueError(f"the shard indices {[r[1] for r in rows]} are not 0..{P - 1} {where}")
+    for col, what in ((3, "tokens.numel()"), (4, "the counted rows"), (5, "chunk_size"),
+                      (6, "min(tokens)"), (7, "max(tokens)")):  # fmt: skip
+        if len({r[col] for r in rows}) > 1:
+            raise ValueError(
+                f"{what} differs across ranks ({[r[col] for r in rows]}): hidden, tokens, mask and "
+                f"the per-token inputs must be replicated over the group {where}"
+            )
+    order = sorted(range(P), key=lambda r: rows[r][1])  # group ranks in shard order
+    widths = [rows[r][2] for r in order]
+    V = sum(widths)
+    lo, hi = rows[0][6], rows[0][7]
+    if rows[0][3] and (lo < 0 or hi >= V):
+        raise ValueError(
+            f"tokens must lie in [0, V) = [0, {V}) (the whole vocabulary, shards {widths}), got "
+            f"values in [{lo}, {hi}] {where}"
+        )
+    ends = torch.tensor(widths, dtype=torch.int64).cumsum(0)
+    k = order.index(me)
+    return result, Plan(
+        group, me, P, int(ends[k]) - widths[k], widths[k], V,
+        chunk_size or default_chunk(max(widths)), active, ends.to(device),
+        torch.tensor(order, dtype=torch.int64, device=device),
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- merge
+def _empty_shard_stats(R: int, device) -> Tensor:
+    """(logp, H, lse) of a shard with no columns: lse = -inf (no mass), H = 0."""
+    out = torch.zeros(3, R, dtype=torch.float32, device=device)
+    out[2] = float("-inf")
+    return out
+
+
+def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole row's (logp, H, lse), fp32 (R,) each, from this shard's (3, R) (logp_r, H_r,
+    lse_r): one all-gather (12 B per row per rank), then the log-space merge of the module
+    docstring, the same on every rank."""
+    parts = local.new_empty(plan.size, *local.shape)
+    dist.all_gather(list(parts.unbind(0)), local.contiguous(), group=plan.group)
+    lp_r, h_r, lse_r = parts.unbind(1)  # (P, R) each
+    lse = torch.logsumexp(lse_r, 0)
+    pi = torch.exp(lse_r - lse)
+    entropy = torch.where(pi > 0, pi * (h_r + (lse - lse_r)), 0.0).sum(0)
+    own = plan.owner(y)[None]
+    logp = lp_r.gather(0, own)[0] + (lse_r.gather(0, own)[0] - lse)
+    return logp, entropy, lse
+
+
+def _stats(hidden, weight, bias, y, tau, scale, cap, plan: Plan):
+    """The merged (logp, H, lse) of the counted rows, fp32 (R,) each (one all-gather)."""
+    active = plan.active
+    if active.numel() == 0:
+        return _empty_shard_stats(0, hidden.device).unbind(0)
+    if plan.width == 0:
+        local = _empty_shard_stats(active.numel(), hidden.device)
+    else:  # a token this shard does not hold reads column 0 (its logp_r is not used)
+        y_loc = (y - plan.offset).clamp_(0, plan.width - 1)
+        local = local_stats(hidden, weight, bias, y_loc, active, tau, scale, cap, plan.chunk)
+    return merge(local, y.index_select(0, active), plan)
+
+
+def _grads(hidden, weight, bias, y, lse, entropy, g, h, tau, scale, cap, plan: Plan):
+    """(dX (N, H) summed over the group, dW_r, db_r) from the merged lse, H and g, h (N,)."""
+    if plan.width == 0:
+        dh = torch.zeros(y.numel(), weight.shape[1], dtype=hidden.dtype, device=hidden.device)
+        dw, db = torch.zeros_like(weight), None if bias is None else torch.zeros_like(bias)
+    else:  # y - o_r outside [0, V_r) on the ranks that do not hold y: no entry at y there
+        dh, dw, db = local_grads(hidden, weight, bias, y - plan.offset, plan.active, lse, entropy,
+                                 g, h, tau, scale, cap, plan.chunk)  # fmt: skip
+    dist.all_reduce(dh, group=plan.group)
+    return dh, dw, db
+
+
+# --------------------------------------------------------------------------- linear_logprobs
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, args, plan):
+        y = tokens.reshape(-1).long()
+        local = torch.stack(_stats(hidden, weight, bias, y, *args, plan))
+        logp, entropy, lse = scatter_rows(local, plan.active, y.numel())
+        ctx.save_for_backward(hidden, weight, bias, y, lse, entropy)
+        ctx.args, ctx.plan = args, plan
+        return logp.view(tokens.shape), entropy.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        ops.refuse_double_backward("linear_logprobs")
+        hidden, weight, bias, y, lse, entropy = ctx.saved_tensors
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).float()
+        h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            dh, dw, db = _grads(hidden, weight, bias, y, lse, entropy, g, h, *ctx.args, ctx.plan)
+        return dh.view(hidden.shape), dw, db, None, None, None
+
+
+def linear_logprobs(hidden, weight, bias, tokens, temperature, logit_scale, softcap, plan):
+    """(logp, H) fp32 shaped like tokens, differentiable w.r.t. hidden, weight_r and bias_r."""
+    args = (temperature, logit_scale, softcap)
+    return _LinearLogprobs.apply(hidden, weight, bias, tokens, args, plan)
+
+
+# --------------------------------------------------------------------------- the policy loss
+def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bool):
+    """(logp, H) fp32 (B, T) of the policy inputs `x` and, with `wants_grad`, the gradients
+    (dX (N, H) summed over the group, dW_r, db_r or None), all in the forward."""
+    tau = x.config.temperature
+    B, T = x.tokens.shape
+    N = B * T
+    y = x.tokens.reshape(-1).long()
+    if not wants_grad or not is_token_separable(x.config):  # one all-gather of (R, 3)
+        local = torch.stack(_stats(hidden, weight, bias, y, tau, scale, cap, plan))
+        logp, entropy, lse = scatter_rows(local, plan.active, N)
+        if not wants_grad:
+            return logp.view(B, T), entropy.view(B, T), None
+        g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
+        h = None if h is None else h.reshape(-1).float()
+        grads = _grads(hidden, weight, bias, y, lse, entropy, g.reshape(-1).float(), h, tau,
+                       scale, cap, plan)  # fmt: skip
+        return logp.view(B, T), entropy.view(B, T), grads
+    logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in "lh")
+    n_written = plan.active.numel() if plan.width else -1  # an empty shard: dX zero-filled
+    grads = _Grads(N, n_written, weight, bias, hidden.dtype)
+    buf = _Buffer(min(plan.chunk, max(plan.active.numel(), 1)), weight)
+    flat = ops.flat_inputs(x)
+    with ops._autograd_enabled():
+        weights = aggregation_weights(x).reshape(1, N)
+    for idx in _chunks(plan.active, plan.chunk):  # per chunk: one all-gather, three GEMMs
+        y_loc = y.index_select(0, idx) - plan.offset
+        if plan.width:
+            rows = _gather(hidden, idx)
+            z = _logits(rows, weight, bias, scale, cap, buf)
+            factor = _chain_factor(z, scale, cap)
+            yc = y_loc.clamp(0, plan.width - 1)[None]
+            local = torch.cat(row_stats(z[None], yc, tau))
+        else:
+            local = _empty_shard_stats(idx.numel(), hidden.device)
+        lp, ent, lse = merge(local, y.index_select(0, idx), plan)
+        g, h = ops.token_grads(lp[None], ent[None], ops.select_rows(flat, idx),
+                               weights.index_select(1, idx))  # fmt: skip
+        logp.index_copy_(0, idx, lp)
+        entropy.index_copy_(0, idx, ent)
+        if plan.width:
+            row_grad_(z[None], y_loc[None], lse[None], ent[None], g, h, tau)
+            grads.add(idx, rows, _to_pre_activation(z, factor, scale), weight)
+            del z, factor
+    dh, dw, db = grads.result(weight, bias)
+    dist.all_reduce(dh, group=plan.group)
+    return logp.view(B, T), entropy.view(B, T), (dh, dw, db)

@@ -1,0 +1,169 @@
+"""The vocab-parallel LM head (`group=` / a DTensor weight) against the unsharded op, over 2 and 3
+gloo processes on the CPU: logp, entropy, d hidden, d weight (the rank's rows) and d bias, the
+fused policy loss (loss, logp, entropy, kl, metrics, gradients), uneven and empty shards, a
+DTensor weight, and bad inputs raised on every rank (no rank left waiting in a collective).
+
+One start per world size runs every case, from a forkserver that has imported torch and fastrl
+once (a spawned process would import them again: seconds each on the CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fastrl
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+V, H = 37, 8
+SHARDS = {2: [[30, 7]], 3: [[20, 5, 12], [12, 0, 25]]}  # uneven; one rank with no rows
+
+
+def _batch(B=3, T=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T + 1, H, generator=g)[:, 1:]  # a strided view, as trainers slice
+    weight = torch.randn(V, H, generator=g) / H**0.5
+    bias = 0.1 * torch.randn(V, generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    tokens[0, :3] = torch.tensor([0, V - 1, 20])  # the first / last ids, a shard boundary
+    mask = torch.rand(B, T, generator=g) > 0.25
+    adv = torch.randn(B, generator=g)
+    old, ref, up_lp, up_h = (0.3 * torch.randn(B, T, generator=g) for _ in range(4))
+    with torch.no_grad():
+        logp = fastrl.linear_logprobs(hidden, weight, tokens, bias=bias)
+    return dict(hidden=hidden, weight=weight, bias=bias, tokens=tokens, mask=mask, adv=adv,
+                old=logp + old, ref=logp + ref, up_lp=up_lp, up_h=up_h)  # fmt: skip
+
+
+def _leaves(b, rows=slice(None)):
+    """Fresh leaves: hidden, and weight / bias (rows `rows` of them)."""
+    return [t.detach().clone().requires_grad_() for t in (b["hidden"], b["weight"][rows],
+                                                         b["bias"][rows])]  # fmt: skip
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def _logprobs_loss(leaves, b, **kw):
+    hidden, weight, bias = leaves
+    logp, ent = fastrl.linear_logprobs(hidden, weight, b["tokens"], bias=bias, entropy=True,
+                                       mask=b["mask"], **kw)  # fmt: skip
+    return logp, ent, (logp * b["up_lp"]).sum() + (ent * b["up_h"]).sum()
+
+
+def _check_logprobs(b, rows, group, **kw):
+    """linear_logprobs on this rank's rows against the unsharded op: values and gradients."""
+    full = _leaves(b)
+    logp, ent, loss = _logprobs_loss(full, b, chunk_size=4, **kw)
+    expected = torch.autograd.grad(loss, full)
+    mine = _leaves(b, rows)
+    logp_s, ent_s, loss_s = _logprobs_loss(mine, b, chunk_size=3, group=group, **kw)
+    _close(logp_s, logp)
+    _close(ent_s, ent)
+    got = torch.autograd.grad(loss_s, mine)
+    _close(got[0], expected[0])
+    _close(got[1], expected[1][rows])
+    _close(got[2], expected[2][rows])
+
+
+def _policy(leaves, b, **kw):
+    hidden, weight, bias = leaves
+    return fastrl.fused_linear_policy_loss(hidden, weight, b["tokens"], b["adv"], b["old"],
+                                           b["ref"], b["mask"], bias=bias, **kw)  # fmt: skip
+
+
+def _check_policy(b, rows, group, **kw):
+    full = _leaves(b)
+    out = _policy(full, b, chunk_size=4, **kw)
+    expected = torch.autograd.grad(2.0 * out.loss, full)
+    mine = _leaves(b, rows)
+    out_s = _policy(mine, b, chunk_size=2, group=group, **kw)
+    _close(out_s.loss, out.loss)
+    for name in ("logp", "entropy", "kl"):
+        _close(getattr(out_s, name), getattr(out, name))
+    assert out_s.metrics.keys() == out.metrics.keys()
+    for k in out.metrics:
+        _close(out_s.metrics[k], out.metrics[k])
+    got = torch.autograd.grad(2.0 * out_s.loss, mine)
+    _close(got[0], expected[0])
+    _close(got[1], expected[1][rows])
+    _close(got[2], expected[2][rows])
+    with torch.no_grad():
+        _close(_policy(mine, b, group=group, **kw).loss, out.loss)
+
+
+def _check_dtensor(b, world):
+    from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    weight = distribute_tensor(b["weight"], mesh, [Shard(0)]).requires_grad_()
+    bias = distribute_tensor(b["bias"], mesh, [Shard(0)]).requires_grad_()
+    full = _leaves(b)
+    out = _policy(full, b, config="grpo", entropy_coef=0.01)
+    out.loss.backward()
+    hidden = b["hidden"].detach().clone().requires_grad_()
+    out_s = _policy([hidden, weight, bias], b, config="grpo", entropy_coef=0.01)  # no group=
+    out_s.loss.backward()
+    _close(out_s.loss, out.loss)
+    _close(hidden.grad, full[0].grad)
+    _close(weight.grad.full_tensor(), full[1].grad)
+    _close(bias.grad.full_tensor(), full[2].grad)
+    logp = fastrl.linear_logprobs(b["hidden"], weight.detach(), b["tokens"], bias=bias.detach())
+    _close(logp, fastrl.linear_logprobs(b["hidden"], b["weight"], b["tokens"], bias=b["bias"]))
+    replicated = distribute_tensor(b["weight"], mesh, [Replicate()])
+    with pytest.raises(ValueError, match=r"weight is a DTensor with placements \(Replicate"):
+        fastrl.linear_logprobs(b["hidden"], replicated, b["tokens"])
+
+
+def _check_bad_inputs(b, rows, group, rank):
+    w, bias = b["weight"][rows], b["bias"][rows]
+    too_big = b["tokens"].clone()
+    too_big[1, 1] = V  # in range of no shard: checked against the whole vocabulary
+    with pytest.raises(ValueError, match=rf"tokens must lie in \[0, V\) = \[0, {V}\)"):
+        fastrl.linear_logprobs(b["hidden"], w, too_big, bias=bias, group=group)
+    # one rank's bias does not fit its shard: that rank says why, every rank raises
+    bad_bias = bias[:-1] if rank == 1 else bias
+    match = r"bias must be a \(\d+,\) tensor" if rank == 1 else r"rank\(s\) \[1\] .* rejected"
+    with pytest.raises(ValueError, match=match):
+        fastrl.fused_linear_policy_loss(b["hidden"], w, b["tokens"], b["adv"], bias=bad_bias,
+                                        group=group)  # fmt: skip
+    # inputs that are not replicated
+    tokens = b["tokens"].clone()
+    tokens[0, 0] = rank
+    with pytest.raises(ValueError, match="differs across ranks"):
+        fastrl.linear_logprobs(b["hidden"], w, tokens, bias=bias, group=group)
+
+
+def _worker(rank, world, store):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        group = dist.new_group(list(range(world)))
+        b = _batch()
+        for sizes in SHARDS[world]:
+            start = sum(sizes[:rank])
+            rows = slice(start, start + sizes[rank])
+            _check_logprobs(b, rows, group)
+            _check_logprobs(b, rows, group, temperature=0.7, logit_scale=1.5, softcap=2.0)
+            _check_policy(b, rows, group, config="grpo", entropy_coef=0.01)  # per-chunk merge
+            _check_policy(b, rows, group, config="gspo", entropy_coef=0.01)  # sequence level
+            _check_policy(b, rows, group, config="dapo", temperature=0.8, softcap=3.0)
+        _check_dtensor(b, world)
+        start = sum(SHARDS[world][0][:rank])
+        _check_bad_inputs(b, slice(start, start + SHARDS[world][0][rank]), group, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_matches_unsharded(world, tmp_path):
+    preload = ["torch", "torch.distributed.tensor", "fastrl", _worker.__module__]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    mp.start_processes(_worker, args=(world, str(tmp_path / "store")), nprocs=world,
+                       start_method="forkserver")  # fmt: skip
