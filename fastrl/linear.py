@@ -44,6 +44,7 @@ from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
     linear_token_stats_backward,
 )
 from .config import LossConfig
+from .packing import check_cu_seqlens
 from .terms import PolicyLossOutput, policy_output
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
@@ -151,6 +152,7 @@ def linear_logprobs(
     softcap: float | None = None,
     chunk_size: int | None = None,
     group=None,
+    cu_seqlens: Tensor | None = None,
 ):
     """Per-token log-probs (and entropies) of `tokens` under the LM head, never holding (N, V).
 
@@ -174,7 +176,17 @@ def linear_logprobs(
     12 P B received per counted row; forward); the backward keeps dW_r and db_r local and
     all-reduces dX (N x H in hidden's dtype). Memory: the single-device op's on V_r columns plus
     (P, R, 3) fp32. Runs eagerly (torch.compile graph-breaks around it); see
-    `fastrl.vocab_parallel`."""
+    `fastrl.vocab_parallel`.
+
+    Packed sequences (`cu_seqlens` (S + 1,) with (N, H) hidden) are accepted and checked; rows
+    are independent, so the result is the same as without."""
+    if cu_seqlens is not None:
+        if not (isinstance(tokens, Tensor) and tokens.dim() == 1):
+            raise ValueError(
+                f"cu_seqlens is given, so hidden / tokens must be flat (N, H) / (N,) rows of "
+                f"packed sequences, got tokens {describe(tokens)}"
+            )
+        check_cu_seqlens(cu_seqlens, tokens.shape[0])
     if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
         return _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask,
                                    logit_scale, softcap, chunk_size, group)  # fmt: skip
@@ -245,14 +257,17 @@ def fused_linear_policy_loss(
     softcap: float | None = None,
     chunk_size: int | None = None,
     group=None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     **overrides,
 ) -> PolicyLossOutput:
     """`policy_loss(softcap(s (hidden @ weight.T + bias)), ...)` without the (N, V) logits.
 
     Shapes: hidden (B, T, H) or (N, H) (the lm_head's input, any strides); weight (V, H);
-    bias (V,) or None; tokens, advantages, old / ref / rollout log-probs, mask and config exactly
-    as in `policy_loss`; logit_scale / softcap as in `linear_logprobs`. Rows with mask == 0 do no
-    GEMM work (their logp / entropy are reported as 0). With a token-separable config the
+    bias (V,) or None; tokens, advantages, old / ref / rollout log-probs, mask, config and
+    packed sequences (`cu_seqlens`, `max_seqlen` with (N, H) hidden) exactly as in
+    `policy_loss`; logit_scale / softcap as in `linear_logprobs`. Rows with mask == 0 do no GEMM
+    work (their logp / entropy are reported as 0). With a token-separable config the
     gradient is computed in the forward: per chunk of rows one logits GEMM, the loss statistics
     and dL/dz in one pass, then dX = dz W and dW += dz^T X (three GEMMs, no recompute); the
     backward scales those gradients by the upstream gradient (no pass when it is 1).
@@ -269,14 +284,15 @@ def fused_linear_policy_loss(
     if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
         return _fused_linear_policy_loss_vp(
             hidden, weight, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config,
-            bias, logit_scale, softcap, chunk_size, group, overrides,
+            bias, logit_scale, softcap, chunk_size, group, overrides, cu_seqlens, max_seqlen,
         )  # fmt: skip
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
     _check_tokens(tokens, hidden, V)
     x = prepare_policy_inputs(
-        None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides
-    )
+        None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+    )  # fmt: skip
     args = ops.op_inputs(x)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
     chunk = chunk_size or default_chunk(V)
@@ -321,7 +337,7 @@ def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wan
 @_eager
 def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, ref_logp, mask,
                                  rollout_logp, config, bias, logit_scale, softcap, chunk_size,
-                                 group, overrides):  # fmt: skip
+                                 group, overrides, cu_seqlens, max_seqlen):  # fmt: skip
     weight, bias, group, shard = vocab_parallel.resolve(weight, bias, group)
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
 
@@ -329,8 +345,9 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
         _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=True)
         _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
         x = prepare_policy_inputs(
-            None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides
-        )
+            None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        )  # fmt: skip
         return x, x.mask
 
     x, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
