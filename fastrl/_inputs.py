@@ -84,6 +84,52 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
+def check_temperature_rows(
+    temperature: Tensor, B: int, T: int, flat: bool, device, packing: Packing | None = None
+) -> Tensor:
+    """A per-token temperature tensor as a detached fp32 (B, T) (a broadcast view when given per
+    sequence or as one value): the shape of the tokens ((B, T), or (N,) for flat inputs), (B,)
+    one per sequence (broadcast over T), (S,) one per packed sequence with `packing`, or () one
+    for all. A float dtype, on the logits' device or the CPU (then moved). The values (finite,
+    > 0) are checked on CPU tensors outside torch.compile only (elsewhere a host sync / a graph
+    break): a ValueError naming `temperature`, its shape and the expected shapes otherwise."""
+    shapes = [(), (T,)] if flat else [(), (B,), (B, T)]
+    expected = "() (one for all), (N,) = " if flat else "() (one for all), (B,) = "
+    expected += f"{(T,)} (like tokens)" if flat else f"{(B,)} (one per sequence) or {(B, T)}"
+    if packing is not None:
+        shapes.append((packing.num_seqs,))
+        expected += f" or {(packing.num_seqs,)} (one per packed sequence)"
+    if not flat:
+        expected += " (like tokens)"
+    ok = isinstance(temperature, Tensor) and tuple(temperature.shape) in shapes
+    ok = ok and temperature.is_floating_point()
+    ok = ok and temperature.device in (torch.device(device), torch.device("cpu"))
+    if not ok:
+        raise ValueError(
+            f"temperature as a tensor must be a float tensor of shape {expected}, on {device} "
+            f"or the CPU; got {describe(temperature)}"
+        )
+    t = temperature.detach()
+    if t.device.type == "cpu" and not torch.compiler.is_compiling() and t.numel() > 0:
+        bad = ~torch.isfinite(t) | (t <= 0)
+        if bool(bad.any()):
+            first = t.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+            raise ValueError(
+                f"temperature must hold finite values > 0; the tensor of shape {tuple(t.shape)} "
+                f"holds {int(bad.sum())} that are not (e.g. {first})"
+            )
+    t = t.to(device=device, dtype=torch.float32)
+    if t.dim() == 0:
+        return t.expand(B, T)
+    if packing is not None and tuple(t.shape) == (packing.num_seqs,) and t.shape != (T,):
+        return packing.per_row(t).view(1, T)
+    if flat:
+        return t.view(1, T)
+    if t.dim() == 1:  # (B,): one per sequence
+        return t[:, None].expand(B, T)
+    return t.reshape(B, T)
+
+
 def check_logits_tokens(logits: Tensor, tokens: Tensor, check_range: bool | None = None):
     """Validate logits (B, T, V) / (N, V) against tokens (B, T) / (N,).
 
@@ -158,6 +204,14 @@ class PolicyInputs:
     # packed sequences (`cu_seqlens`): every per-token tensor is then (1, N), flat=True, and the
     # sequence-level math runs on `packing.padded_inputs(self)` (fastrl.packing)
     packing: Packing | None = None
+    # per-token temperature tau_t, fp32 (B, T), detached (a constant of the loss), replacing
+    # config.temperature; None: the config's float
+    temperature_rows: Tensor | None = None
+
+    @property
+    def temperature(self):
+        """What the fused ops take as the temperature: the (B, T) tensor, or the float."""
+        return self.config.temperature if self.temperature_rows is None else self.temperature_rows
 
     def unflatten(self, x: Tensor) -> Tensor:
         """(B, T) back to the caller's layout: (N,) for flat inputs."""
@@ -178,14 +232,24 @@ def prepare_policy_inputs(
     per_token: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
+    temperature_tensor: bool = False,
 ) -> PolicyInputs:
     """Validate the arguments of `policy_loss` and bring them to the canonical (B, T) form.
 
     Without logits (logits = None), `per_token` (B, T) or (N,) (the caller's log-probs,
     `policy_loss_from_logprobs`), or else `tokens` (already checked by the caller, e.g. against
     the LM head's V), gives the layout, device and the (B, T) shape. `cu_seqlens` (S + 1,):
-    flat inputs are S packed sequences (fastrl.packing); `advantages` may then be (S,)."""
+    flat inputs are S packed sequences (fastrl.packing); `advantages` may then be (S,).
+    `temperature_tensor`: whether the caller handles a tensor `temperature` override (per-token
+    temperature, `PolicyInputs.temperature_rows`, never in the LossConfig); else one raises."""
     overrides = dict(overrides)
+    temperature = overrides.get("temperature")  # a tensor: per-token, kept out of the config
+    temperature = overrides.pop("temperature") if isinstance(temperature, Tensor) else None
+    if temperature is not None and not temperature_tensor:
+        raise ValueError(
+            f"temperature as a tensor ({describe(temperature)}) is not supported here: pass a "
+            "float (per-token temperatures: fastrl.policy_loss, fastrl.logprobs, fastrl.sample)"
+        )
     # Global counts may be 0-dim tensors (an all-reduced count): keep them out of the dataclass.
     counts = {}
     for key in ("num_tokens", "num_seqs"):
@@ -224,6 +288,10 @@ def prepare_policy_inputs(
         packing = make_packing(cu_seqlens, T, dev, max_seqlen)
     elif max_seqlen is not None:
         raise ValueError("max_seqlen is given without cu_seqlens: it sizes packed sequences only")
+
+    temperature_rows = None
+    if temperature is not None:
+        temperature_rows = check_temperature_rows(temperature, B, T, flat, dev, packing)
 
     if not isinstance(advantages, Tensor):
         raise ValueError(f"advantages must be a float tensor, got {type(advantages).__name__}")
@@ -302,4 +370,5 @@ def prepare_policy_inputs(
         num_tokens,
         num_seqs,
         packing,
+        temperature_rows,
     )

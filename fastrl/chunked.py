@@ -8,6 +8,7 @@ logits. `fastrl.ops` dispatches here; the Triton backend is `fastrl.kernels`.
 The backend interface (the same names as the Triton launchers in fastrl/kernels/policy_loss.py;
 `fastrl.ops.backend(device)` picks one of the two modules):
   row_stats(logits, tokens, tau)              -> fp32 (B, T) logp, H, lse     (one exp per logit)
+                                              (tau: a float, or a (B, T) per-row tensor)
   row_grad_(logits, tokens, lse, H, g, h, tau, out)    SPEC 6's dL/dz from (g, h) into `out`
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
   stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads)
@@ -26,6 +27,12 @@ overwritten by its exact fp32 value (tau^-1 [g (1 - p_y) - h p_y (logp_y + H)]),
 bf16 / fp16 never loses g (1 - p_y) to cancellation. For a token-separable loss the two passes
 run back to back on each chunk while it is hot (`one_pass_`); sequence-level options need every
 row's statistics first, so e goes to the gradient buffer and `finish_` is a second pass.
+
+Temperature (`tau` above): a Python float, or a tensor of per-row temperatures tau_t with one
+value per row ((B, T), or anything with B * T elements), the per-token temperature of fastrl.ops:
+z'_tj = z_tj / tau_t, and every formula above with the row's own tau_t. Each chunk then divides
+by an fp32 (R, 1) column of its rows' tau (the same division as by the float: a constant tensor
+gives bitwise the float's results). The values are the caller's to check (finite, > 0).
 """
 
 from __future__ import annotations
@@ -149,23 +156,44 @@ def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
     return x[idx // T, idx % T]  # (R, V) copy in x's dtype: chunk-sized
 
 
-def row_stats(logits: Tensor, tokens: Tensor, temperature: float):
+def row_stats(logits: Tensor, tokens: Tensor, temperature):
     """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
-    (one exp per logit; H from max-shifted values). Out-of-range tokens give logp = NaN (no
-    device-side assert); a NaN or +inf logit makes its row's logp, H and lse NaN."""
+    (one exp per logit; H from max-shifted values); temperature a float or a (B, T) tensor of
+    per-row temperatures. Out-of-range tokens give logp = NaN (no device-side assert); a NaN or
+    +inf logit makes its row's logp, H and lse NaN."""
     logp, entropy, _, lse = stats_e(logits, tokens, temperature, None)
     return logp, entropy, lse
 
 
-def _scaled(rows: Tensor, temperature: float) -> Tensor:
-    """z' = z / tau as fp32 (R, V); no copy for fp32 rows at tau = 1 (x / 1.0 == x exactly)."""
-    if temperature == 1.0 and rows.dtype == torch.float32:
+def row_temperature(temperature, N: int):
+    """The temperature of N rows as the chunk functions take it: a float as is, or a tensor of
+    per-row temperatures (N elements, e.g. (B, T)) as a detached fp32 (N,) tensor."""
+    if isinstance(temperature, Tensor):
+        return temperature.detach().to(torch.float32).reshape(N)
+    return float(temperature)
+
+
+def _chunk_tau(tau, r0: int, r1: int):
+    """tau of the rows r0:r1: the float, or an fp32 (R, 1) column of the (N,) per-row tensor."""
+    return tau if isinstance(tau, float) else tau[r0:r1, None]
+
+
+def _is_one(tau) -> bool:
+    """tau is the float 1.0 (then z' = z: nothing to divide)."""
+    return isinstance(tau, float) and tau == 1.0
+
+
+def _scaled(rows: Tensor, temperature) -> Tensor:
+    """z' = z / tau as fp32 (R, V) (tau a float or an (R, 1) column of per-row temperatures); no
+    copy for fp32 rows at tau = 1 (x / 1.0 == x exactly)."""
+    if _is_one(temperature) and rows.dtype == torch.float32:
         return rows
     return rows.float() / temperature
 
 
 def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
-    """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself.
+    """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself;
+    temperature a float or a (B, T) tensor of per-row temperatures (those of the statistics).
 
     The same finishing pass as the fused losses (`_chunk_finish_`, one implementation of the
     gradient): per chunk e = exp(z' - lse) = p in cache-sized blocks (written where the chunk's
@@ -177,21 +205,24 @@ def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
     lse, entropy, g = lse.reshape(-1), entropy.reshape(-1), g.reshape(-1).float()
     h = None if h is None else h.reshape(-1).float()
     log_s = torch.zeros_like(lse)  # e is p itself: s = 1
+    tau_all = row_temperature(temperature, B * T)
 
     def body(r0, r1, work):
         rows, y = _rows(logits, r0, r1), y_all[r0:r1]
+        tau = _chunk_tau(tau_all, r0, r1)  # float, or (R, 1)
         y_ok = (y >= 0) & (y < V)
-        z_y = rows.gather(1, torch.where(y_ok, y, 0)[:, None]).squeeze(1).float() / temperature
+        z_y = rows.gather(1, torch.where(y_ok, y, 0)[:, None]).float()  # (R, 1)
+        z_y = (z_y if _is_one(tau) else z_y / tau).squeeze(1)
         logp = torch.where(y_ok, z_y - lse[r0:r1], float("nan"))  # (R,)
         view, e = work.target(out, r0, r1)
         for a in range(0, r1 - r0, work.S):  # e = exp(z' - lse), cache-sized blocks
             b = min(r1 - r0, a + work.S)
             u = work.u(b - a).copy_(rows[a:b])  # (before e, which may be these very rows)
-            if temperature != 1.0:
-                u.div_(temperature)
+            if not _is_one(tau):
+                u.div_(_sub_tau(tau, a, b))
             torch.exp(u.sub_(lse[r0 + a : r0 + b, None]), out=e[a:b])
         stats = [None if t is None else t[r0:r1] for t in (entropy, log_s, g, h)]
-        _chunk_finish_(e, y, logp, *stats, temperature, work, view)
+        _chunk_finish_(e, y, logp, *stats, tau, work, view)
         if view is None:
             _store_rows(out, r0, r1, e)
 
@@ -252,8 +283,14 @@ class _Work:
         return view, view if direct else self.e(r1 - r0)
 
 
-def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out):
-    """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens.
+def _sub_tau(tau, a: int, b: int):
+    """tau of the rows a:b of a chunk: the float, or those rows of its (R, 1) column."""
+    return tau if isinstance(tau, float) else tau[a:b]
+
+
+def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
+    """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens,
+    temperature a float or an fp32 (R, 1) column of the rows' own temperatures.
 
     Returns fp32 (R,) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, e = exp(u),
     s = sum e: no cancellation at large offsets or low temperature), log s and the row max m of
@@ -272,9 +309,10 @@ def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out
             torch.sub(x, m, out=u)
         else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
             u.copy_(x).sub_(m)
-        if temperature != 1.0:  # (z - max z) / tau = z' - max z' (tau > 0)
-            u.div_(temperature)
-            m = m / temperature
+        if not _is_one(temperature):  # (z - max z) / tau = z' - max z' (tau > 0, per row)
+            tau = _sub_tau(temperature, a, b)  # float or (S, 1)
+            u.div_(tau)
+            m = m / tau
         e = torch.exp(u, out=work.es(b - a) if e_out is None else e_out[a:b])
         y_ok = (yb >= 0) & (yb < V)
         u_y = u.gather(1, torch.where(y_ok, yb, 0)[:, None]).squeeze(1)
@@ -300,10 +338,14 @@ def _chunk_stats(rows: Tensor, y: Tensor, temperature: float, work: _Work, e_out
 
 def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: _Work, dst):
     """e (R, V) fp32 = exp(z' - m) of a chunk, overwritten with dL/dz = p (a log p + c) (+ the
-    exact entry at y), p = e / s, a = -h / tau, c = -(g + h H) / tau, from (R,) fp32 statistics;
+    exact entry at y), p = e / s, a = -h / tau, c = -(g + h H) / tau, from (R,) fp32 statistics
+    (tau a float or an (R, 1) column of per-row temperatures: then 1 / tau is an (R,) vector);
     `work.S` rows at a time, each copied to `dst` (R, V) (any dtype; None: none) while in cache."""
     R, V = e.shape
-    inv_temp = 1.0 / temperature
+    if isinstance(temperature, float):
+        inv_temp = 1.0 / temperature
+    else:
+        inv_temp = torch.reciprocal(temperature.reshape(R))  # (R,) fp32
     inv_s = torch.exp(-log_s)  # (R,)
     if h is None:
         k1, k0 = None, g * (-inv_temp) * inv_s
@@ -336,19 +378,21 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
     return e
 
 
-def stats_e(logits: Tensor, tokens: Tensor, temperature: float, out: Tensor | None):
+def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None):
     """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
-    time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`). With `out` (B, T, V), e is
-    also written there (`out` may be the logits' own storage: each chunk is read first)."""
+    time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`); temperature a float or a
+    (B, T) tensor of per-row temperatures. With `out` (B, T, V), e is also written there (`out`
+    may be the logits' own storage: each chunk is read first)."""
     B, T, V = logits.shape
     N = B * T
     stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)]
     y_all = tokens.reshape(-1).long()
+    tau_all = row_temperature(temperature, N)
 
     def body(r0, r1, work):
         e = None if out is None else work.target(out, r0, r1)[1]
         logp, ent, log_s, m = _chunk_stats(
-            _rows(logits, r0, r1), y_all[r0:r1], temperature, work, e
+            _rows(logits, r0, r1), y_all[r0:r1], _chunk_tau(tau_all, r0, r1), work, e
         )
         for dst, val in zip(stats, (logp, ent, log_s, m + log_s)):
             dst[r0:r1] = val
@@ -366,13 +410,14 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
     N = B * T
     flat = lambda t: None if t is None else t.reshape(N)  # noqa: E731
     y_all, logp, entropy, log_s, g, h = map(flat, (tokens.long(), logp, entropy, log_s, g, h))
+    tau_all = row_temperature(temperature, N)
 
     def body(r0, r1, work):
         view, e = work.target(out, r0, r1)
         if e is not view:
             e.copy_(_rows(out, r0, r1))
         part = [None if t is None else t[r0:r1] for t in (y_all, logp, entropy, log_s, g, h)]
-        _chunk_finish_(e, *part, temperature, work, view)
+        _chunk_finish_(e, *part, _chunk_tau(tau_all, r0, r1), work, view)
         if view is None:
             _store_rows(out, r0, r1, e)
 
@@ -384,7 +429,8 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None):
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
     `logits`) from (g, h) = grad_fn(logp, H) (all rows at once). `rows_grads`: None, or (for a
     token-separable loss) a function returning rows_grad_fn(r0, r1, logp, H) -> (g, h) of rows
-    r0:r1 alone: then each chunk is finished in the pass that reduces it (`one_pass_`)."""
+    r0:r1 alone: then each chunk is finished in the pass that reduces it (`one_pass_`).
+    temperature: a float, or a (B, T) tensor of per-row temperatures."""
     if rows_grads is not None:
         return one_pass_(logits, tokens, temperature, rows_grads(), out)
     logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out)
@@ -401,13 +447,15 @@ def one_pass_(logits, tokens, temperature, rows_grad_fn, out):
     N = B * T
     logp_all, ent_all = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lh")
     y_all = tokens.reshape(-1).long()
+    tau_all = row_temperature(temperature, N)
 
     def body(r0, r1, work):
         y = y_all[r0:r1]
+        tau = _chunk_tau(tau_all, r0, r1)
         view, e = work.target(out, r0, r1)
-        logp, ent, log_s, _ = _chunk_stats(_rows(logits, r0, r1), y, temperature, work, e)
+        logp, ent, log_s, _ = _chunk_stats(_rows(logits, r0, r1), y, tau, work, e)
         g, h = rows_grad_fn(r0, r1, logp, ent)
-        _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, temperature, work, view)
+        _chunk_finish_(e, y, logp, ent, log_s, g.float(), h, tau, work, view)
         if view is None:
             _store_rows(out, r0, r1, e)
         logp_all[r0:r1], ent_all[r0:r1] = logp, ent

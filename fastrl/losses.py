@@ -21,10 +21,16 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._inputs import check_logits_tokens, check_temperature, describe, prepare_policy_inputs
+from ._inputs import (
+    check_logits_tokens,
+    check_temperature,
+    check_temperature_rows,
+    describe,
+    prepare_policy_inputs,
+)
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
-from .packing import check_cu_seqlens
+from .packing import check_cu_seqlens, make_packing
 from .terms import PolicyLossOutput, policy_output, policy_terms
 from .value import value_loss
 
@@ -72,6 +78,10 @@ def policy_loss(
         old_logp, ref_logp, rollout_logp, mask: like tokens (mask bool or float, 1 = counts).
         config        a LossConfig, a preset name or None (= ppo); keyword `overrides` replace its
                       fields (num_tokens / num_seqs may be 0-dim tensors: no host sync).
+        temperature   (an override) a float, or a tensor of per-token temperatures tau_t: like
+                      tokens, (B,) one per sequence (broadcast over T), (S,) per packed sequence
+                      or () one for all; any float dtype (used in fp32), finite and > 0 (checked
+                      on CPU tensors). A constant: no gradient flows to it (detached).
         cu_seqlens    (S + 1,) int, optional: the flat rows are S packed sequences, sequence i
                       being rows cu_seqlens[i]:cu_seqlens[i + 1] (padding-free batches); then
                       `advantages` may be (S,) and every sequence-level option follows the
@@ -79,7 +89,8 @@ def policy_loss(
                       (fastrl.packing). `max_seqlen` (the longest sequence) avoids reading
                       cu_seqlens on the host; seq-mean-token-sum-norm needs `max_len` here.
 
-    Math (SPEC.md): logp_t = z'_y - lse, H_t = lse - sum_j p_j z'_j with z' = z / tau; per-token
+    Math (SPEC.md): logp_t = z'_y - lse, H_t = lse - sum_j p_j z'_j with z' = z / tau (tau_t, the
+    token's own, with a temperature tensor); per-token
     L_t = w_t l_t + beta kl_t - c_H H_t, aggregated by `config.agg`; the gradient is
     dloss/dz_tj = (1/tau)[g_t (1[j=y_t] - p_tj) - h_t p_tj (log p_tj + H_t)], g = dloss/dlogp,
     h = dloss/dH, written by one pass over the logits in the backward.
@@ -118,6 +129,7 @@ def policy_loss(
         check_range=check_range,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
+        temperature_tensor=True,
     )
     if torch.is_grad_enabled() and x.logits.requires_grad:
         if inplace:
@@ -127,7 +139,7 @@ def policy_loss(
             out = policy_output(logp, entropy, x)
         out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:
-        logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.config.temperature)
+        logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature)
         out = policy_output(logp, entropy, x)
     if check_finite:
         _check_finite(out.loss, logp)
@@ -150,7 +162,8 @@ def policy_loss_from_logprobs(
 ) -> PolicyLossOutput:
     """The policy loss of SPEC 1-5 from per-token log-probs someone already has (a trainer's own
     forward, `linear_logprobs`, another engine): the same options, outputs and metrics as
-    `policy_loss`, with the loss differentiable w.r.t. `logp` (and `entropy`).
+    `policy_loss`, with the loss differentiable w.r.t. `logp` (and `entropy`). A `temperature`
+    override (float or tensor) is accepted and, as the log-probs are given, not used.
 
     Shapes: logp (B, T) or (N,), float (computed in fp32); entropy like logp, or None (then H = 0:
     no entropy bonus allowed, the `entropy` metric is 0); advantages (B,), (B, T) or (N,);
@@ -171,7 +184,7 @@ def policy_loss_from_logprobs(
         )
     x = prepare_policy_inputs(
         None, None, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
-        per_token=logp, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        per_token=logp, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
     )  # fmt: skip
     if entropy is None and x.config.entropy_coef != 0:
         raise ValueError(
@@ -233,30 +246,42 @@ def _check_finite(loss: Tensor, logp: Tensor) -> None:
 def logprobs(
     logits: Tensor,
     tokens: Tensor,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     entropy: bool = False,
     *,
     cu_seqlens: Tensor | None = None,
 ):
-    """Per-token log-probs logp_t = z'_y - lse (and entropies H_t when `entropy=True`).
+    """Per-token log-probs logp_t = z'_y - lse, z' = z / tau (and entropies H_t when `entropy`).
 
     logits (B, T, V) or (N, V) fp32 / bf16 / fp16 (any strides over B, T); tokens like logits
     without V, int64 / int32. Returns fp32 logp (and H) shaped like tokens. One streaming pass
     over the logits; differentiable (the backward is SPEC 6 with g = dL/dlogp, h = dL/dH); under
     torch.no_grad it is the fast path for pi_old / pi_ref log-probs (no (N, V) allocation).
+    temperature: a float, or a tensor of per-token temperatures tau_t (like tokens, (B,) one per
+    sequence, (S,) per packed sequence with `cu_seqlens`, or () one for all; finite, > 0; used in
+    fp32): each row z_t is divided by its own tau_t, and the gradient w.r.t. the logits is
+    SPEC 6's with 1/tau_t. The temperature is a constant: no gradient flows to it (detached).
     Packed sequences (`cu_seqlens` (S + 1,) with (N, V) logits) are accepted and checked; the
     rows are independent, so the result is the same as without."""
-    temperature = check_temperature(temperature)
+    if not isinstance(temperature, Tensor):
+        temperature = check_temperature(temperature)
     logits3, tokens2, flat = check_logits_tokens(
         logits, tokens, check_range=False if _compiling() else None
     )
+    B, T = tokens2.shape
     if cu_seqlens is not None:
         if not flat:
             raise ValueError(
                 f"cu_seqlens is given, so logits must be flat (N, V) rows of packed sequences, "
                 f"got {tuple(logits.shape)}"
             )
-        check_cu_seqlens(cu_seqlens, tokens2.shape[1])
+        check_cu_seqlens(cu_seqlens, T)
+    if isinstance(temperature, Tensor):
+        packing = None
+        if cu_seqlens is not None and temperature.dim() == 1:  # (S,) allowed: per sequence
+            # (max_seqlen = N bounds every sequence, so cu_seqlens is not read on the host)
+            packing = make_packing(cu_seqlens, T, logits.device, max_seqlen=T)
+        temperature = check_temperature_rows(temperature, B, T, flat, logits.device, packing)
     logp, ent = ops.token_logprobs(logits3, tokens2, temperature)
     if flat:
         logp, ent = logp.squeeze(0), ent.squeeze(0)

@@ -21,8 +21,10 @@ Two ways through the (B, T, V) logits, both reading them once per use:
   need every row's statistics first: e goes to the gradient buffer, a second pass finishes it.
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
-  fastrl::token_logprobs(logits, tokens, temperature, inplace) -> (logp, entropy, lse)  # (B, T)
-  fastrl::token_stats_grad(logits, tokens, lse, entropy, g, h, temperature) -> grad (B, T, V)
+  fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None)
+      -> (logp, entropy, lse)  # (B, T)
+  fastrl::token_stats_grad(logits, tokens, lse, entropy, g, h, temperature,
+      temperature_rows=None) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)
   fastrl::policy_loss_grad(logits, tokens, <per-token inputs>, config) -> (logp, H, grad)
   fastrl::policy_loss_grad_(logits, ...) -> (logp, H)   # the gradient overwrites `logits`
@@ -40,6 +42,13 @@ bounded and independent of N; it never makes an fp32 copy of all the logits.
 Float hyper-parameters: the op schemas take `temperature` as a Python float (a double in the
 schema, and what Inductor passes); it is turned into an fp32 1/tau (Triton scalar argument) or
 used as a weak Python scalar on fp32 tensors (torch path), never promoting anything to fp64.
+
+Per-token temperature: `Tensor? temperature_rows` (fp32 (B, T), one tau_t per row, detached; the
+op's `float temperature` is then ignored) makes every formula above use the row's own tau_t:
+z'_tj = z_tj / tau_t, and dL/dz_tj = (1/tau_t)[g_t (1[j = y_t] - p_tj) - h_t p_tj (log p_tj + H_t)].
+The temperature is a constant of the loss: no gradient flows to it. The backends take either
+form as their `temperature` argument (a float, or the (B, T) tensor: Triton's ROW_TEMP kernels,
+the torch path's per-chunk (R, 1) column); `temperature_arg` picks it.
 """
 
 from __future__ import annotations
@@ -91,32 +100,52 @@ def _check_v_contiguous(logits: Tensor) -> None:
         )
 
 
-def _row_stats(logits: Tensor, tokens: Tensor, temperature: float):
-    """(logp, entropy, lse), each fp32 (B, T), of logits (B, T, V) and tokens (B, T)."""
+def temperature_arg(temperature, temperature_rows: Tensor | None = None):
+    """The `temperature` argument of the backends: `temperature_rows` (per-row tau, (B, T) or
+    any shape with one value per row; detached, fp32) when given, else the float."""
+    if temperature_rows is not None:
+        return temperature_rows.detach().float()
+    if isinstance(temperature, Tensor):
+        return temperature.detach().float()
+    return float(temperature)
+
+
+def _row_stats(logits: Tensor, tokens: Tensor, temperature, temperature_rows=None):
+    """(logp, entropy, lse), each fp32 (B, T), of logits (B, T, V) and tokens (B, T).
+    temperature: a float, or a (B, T) tensor of per-row temperatures (as is `temperature_rows`,
+    which replaces it when given)."""
     _check_v_contiguous(logits)
-    return backend(logits.device).row_stats(logits, tokens, float(temperature))
+    tau = temperature_arg(temperature, temperature_rows)
+    return backend(logits.device).row_stats(logits, tokens, tau)
 
 
-def _row_grad_(logits, tokens, lse, entropy, g, h, temperature: float, out: Tensor) -> Tensor:
+def _row_grad_(
+    logits, tokens, lse, entropy, g, h, temperature, out: Tensor, temperature_rows=None
+) -> Tensor:
     """SPEC 6's dL/dz of logits (B, T, V) written into `out` (may be `logits`) from the (B, T)
-    statistics (lse, entropy) and g, h (h None: 0)."""
-    return backend(logits.device).row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
+    statistics (lse, entropy) and g, h (h None: 0); temperature as in `_row_stats`."""
+    tau = temperature_arg(temperature, temperature_rows)
+    return backend(logits.device).row_grad_(logits, tokens, lse, entropy, g, h, tau, out)
 
 
 def _define_grad_op(inplace: bool):
     """fastrl::token_stats_grad -> dL/dz (B, T, V) in the logits' dtype, contiguous, or
     (`inplace`) fastrl::token_stats_grad_, which overwrites `logits` with it: SPEC 6 from the
-    row statistics (lse, entropy) and g = grad_logp, h = grad_entropy (None: h = 0), all (B, T)."""
+    row statistics (lse, entropy) and g = grad_logp, h = grad_entropy (None: h = 0), all (B, T);
+    temperature_rows (B, T) fp32, when given, is each row's own tau (replacing `temperature`)."""
     name = "fastrl::token_stats_grad" + ("_" if inplace else "")
     logits_arg = "Tensor(a!) logits" if inplace else "Tensor logits"
-    args = "Tensor tokens, Tensor lse, Tensor entropy, Tensor g, Tensor? h, float temperature"
+    args = (
+        "Tensor tokens, Tensor lse, Tensor entropy, Tensor g, Tensor? h, float temperature, "
+        "Tensor? temperature_rows=None"
+    )
     torch.library.define(name, f"({logits_arg}, {args}) -> {'()' if inplace else 'Tensor'}")
 
     @torch.library.impl(name, "default")
-    def impl(logits, tokens, lse, entropy, g, h, temperature):
+    def impl(logits, tokens, lse, entropy, g, h, temperature, temperature_rows=None):
         _check_v_contiguous(logits)
         out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        _row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
+        _row_grad_(logits, tokens, lse, entropy, g, h, temperature, out, temperature_rows)
         return None if inplace else out
 
     @torch.library.register_fake(name)
@@ -133,23 +162,28 @@ token_stats_grad_ = _define_grad_op(inplace=True)
 # --------------------------------------------------------------------------- autograd
 @torch.library.custom_op("fastrl::token_logprobs", mutates_args=())
 def _token_logprobs_op(
-    logits: Tensor, tokens: Tensor, temperature: float, inplace: bool
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float,
+    inplace: bool,
+    temperature_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse) fp32 (B, T) of logits (B, T, V); `inplace` is read by the backward
-    only (the gradient overwrites the logits)."""
-    return _row_stats(logits, tokens, temperature)
+    only (the gradient overwrites the logits). temperature_rows: None, or fp32 (B, T) per-row
+    temperatures replacing `temperature` (a constant: no gradient)."""
+    return _row_stats(logits, tokens, temperature, temperature_rows)
 
 
 @_token_logprobs_op.register_fake
-def _(logits, tokens, temperature, inplace):
+def _(logits, tokens, temperature, inplace, temperature_rows=None):
     B, T, _ = logits.shape
     return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
-    logits, tokens, temperature, inplace = inputs
+    logits, tokens, temperature, inplace, temperature_rows = inputs
     logp, entropy, lse = output
-    ctx.save_for_backward(logits, tokens, lse, entropy)
+    ctx.save_for_backward(logits, tokens, lse, entropy, temperature_rows)
     ctx.temperature = temperature
     ctx.inplace = inplace
     ctx.mark_non_differentiable(lse)
@@ -169,32 +203,39 @@ def refuse_double_backward(op: str) -> None:
 
 def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     refuse_double_backward("logprobs")
-    logits, tokens, lse, entropy = ctx.saved_tensors
+    logits, tokens, lse, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
+    args = (logits, tokens, lse, entropy, grad_logp, grad_entropy, ctx.temperature, tau_rows)
     if ctx.inplace:
-        token_stats_grad_(logits, tokens, lse, entropy, grad_logp, grad_entropy, ctx.temperature)
+        token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)
-        return logits.detach(), None, None, None
-    grad = token_stats_grad(logits, tokens, lse, entropy, grad_logp, grad_entropy, ctx.temperature)
-    return grad, None, None, None
+        return logits.detach(), None, None, None, None
+    return token_stats_grad(*args), None, None, None, None
 
 
 _token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float = 1.0, inplace: bool = False
+    logits: Tensor, tokens: Tensor, temperature=1.0, inplace: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Differentiable per-token (logp, entropy), fp32 (B, T), of logits (B, T, V), tokens (B, T).
 
+    temperature: a float, or a (B, T) (or ()) tensor of per-token temperatures tau_t (detached,
+    checked by the caller: finite, > 0); no gradient flows to it (a constant).
     One pass over the logits forward; one pass (reading them again and writing dL/dz) backward.
     A V dimension that is not contiguous is copied first (the only copy this op makes).
     `inplace=True` makes the backward write dL/dz into the logits' storage (see
     fastrl.policy_loss for when that is safe)."""
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         logits = logits.contiguous()
-    logp, entropy, _ = _token_logprobs_op(logits, tokens, float(temperature), bool(inplace))
+    if isinstance(temperature, Tensor):  # (B, T) per token, or () for all
+        rows = temperature.detach().float()
+        rows = rows.expand(tokens.shape) if rows.dim() == 0 else rows.reshape(tokens.shape)
+        logp, entropy, _ = _token_logprobs_op(logits, tokens, 1.0, bool(inplace), rows)
+    else:
+        logp, entropy, _ = _token_logprobs_op(logits, tokens, float(temperature), bool(inplace))
     return logp, entropy
 
 
@@ -265,11 +306,11 @@ def _autograd_enabled():
         yield
 
 
-def stats_and_grad_(
-    logits: Tensor, tokens: Tensor, temperature: float, x, out: Tensor, weights=None
-):
+def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor, weights=None):
     """(logp, entropy) fp32 (B, T) of logits (B, T, V), and dL/dz written into `out` (B, T, V)
     (which may be `logits`), where (g, h) = token_grads(logp, entropy, x, weights) (see there).
+    temperature: a float, or a (B, T) tensor of per-row temperatures (e.g. x.temperature_rows,
+    or its rows of a chunk).
     The backend's `stats_and_grad_` does the passes: one exp per logit on the torch path, in one
     pass over the logits when the loss is token-separable (then it finishes rows chunk by chunk
     with `rows_grads`); stats + gradient kernels on Triton."""
@@ -296,7 +337,8 @@ def stats_and_grad_(
             return rows_grad_fn
 
     kernels = backend(logits.device)
-    return kernels.stats_and_grad_(logits, tokens, float(temperature), grad_fn, out, rows_grads)
+    tau = temperature_arg(temperature)
+    return kernels.stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads)
 
 
 # --------------------------------------------------------------------------- the policy-loss ops
@@ -330,7 +372,7 @@ def flat_inputs(x):
     return dataclasses.replace(
         x, logits=None, tokens=flat(x.tokens), advantages=flat(x.advantages),
         old_logp=flat(x.old_logp), ref_logp=flat(x.ref_logp), rollout_logp=flat(x.rollout_logp),
-        mask=flat(x.mask), packing=None,
+        mask=flat(x.mask), packing=None, temperature_rows=flat(x.temperature_rows),
     )  # fmt: skip
 
 
@@ -343,16 +385,19 @@ def select_rows(x, rows):
     return dataclasses.replace(
         x, tokens=pick(x.tokens), advantages=pick(x.advantages), old_logp=pick(x.old_logp),
         ref_logp=pick(x.ref_logp), rollout_logp=pick(x.rollout_logp), mask=pick(x.mask),
+        temperature_rows=pick(x.temperature_rows),
     )  # fmt: skip
 
 
 # The per-token inputs of a policy loss, as custom-op arguments: written once here, used by the
 # schemas of fastrl::policy_loss_grad(_) and fastrl::linear_policy_grad, packed from PolicyInputs
-# by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in the config key.
+# by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in the config key;
+# a per-token temperature (PolicyInputs.temperature_rows, fp32 (B, T)) travels as
+# `temperature_rows` and replaces the config's float temperature.
 POLICY_ARGS_SCHEMA = (
     "Tensor tokens, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
     "Tensor? rollout_logp, Tensor mask, Tensor? num_tokens, Tensor? num_seqs, "
-    "Tensor? cu_seqlens, int max_seqlen, str config"
+    "Tensor? temperature_rows, Tensor? cu_seqlens, int max_seqlen, str config"
 )
 
 
@@ -362,7 +407,7 @@ def op_inputs(x) -> tuple:
     pack = x.packing
     packing = (None, 0) if pack is None else (pack.cu_seqlens, pack.max_seqlen)
     return (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts,
-            *packing, config_key(x.config))  # fmt: skip
+            x.temperature_rows, *packing, config_key(x.config))  # fmt: skip
 
 
 def policy_inputs_from_op(logits, args):
@@ -370,7 +415,7 @@ def policy_inputs_from_op(logits, args):
     from ._inputs import PolicyInputs
 
     tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs = args[:8]
-    cu_seqlens, max_seqlen, key = args[8:]
+    temperature_rows, cu_seqlens, max_seqlen, key = args[8:]
     cfg = config_from_key(key)
     packing = None
     if cu_seqlens is not None:
@@ -378,7 +423,7 @@ def policy_inputs_from_op(logits, args):
     return PolicyInputs(
         logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, packing is not None,
         cfg, cfg.num_tokens if num_tokens is None else num_tokens,
-        cfg.num_seqs if num_seqs is None else num_seqs, packing,
+        cfg.num_seqs if num_seqs is None else num_seqs, packing, temperature_rows,
     )  # fmt: skip
 
 
@@ -403,7 +448,7 @@ def _define_policy_op(inplace: bool):
         x = policy_inputs_from_op(logits, args)
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
                                                  device=logits.device)  # fmt: skip
-        logp, entropy = stats_and_grad_(logits, x.tokens, x.config.temperature, x, out)
+        logp, entropy = stats_and_grad_(logits, x.tokens, x.temperature, x, out)
         return (logp, entropy) if inplace else (logp, entropy, out)
 
     @torch.library.register_fake(name)

@@ -10,6 +10,12 @@ support get z' = -inf; this needs a sort: a second pass), and logp / entropy are
 temperature = 0 is greedy: argmax token, logp and entropy under τ = 1 (top-k / top-p do not
 change the argmax and are ignored then).
 
+Per-row temperature: `temperature` may be a tensor (N,) (one τ_r per row, e.g. per request of a
+batch) or () (one for all rows), any float dtype (used in fp32), every value finite and > 0
+(checked on CPU tensors outside torch.compile; greedy is the scalar 0 only). Row r is then drawn
+from softmax(z_r / τ_r) (truncated by top-k / top-p as above, after the division), and its logp
+and entropy are under that distribution: the same as sampling each row alone with its τ_r.
+
 Non-finite logits: -inf entries have probability 0 (never sampled, no contribution to H). A row
 holding any NaN logit returns logp = NaN and entropy = NaN on every backend (the NaN is never
 silently dropped); its token is unspecified, some value in [0, V). A +inf logit also makes its
@@ -48,14 +54,17 @@ def _validate(logits, temperature, top_k, top_p, generator) -> None:
         raise ValueError(f"logits must be a float tensor of shape (N, V), got {got}")
     if logits.shape[1] < 1:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; expected a vocabulary V >= 1")
-    if (
+    if isinstance(temperature, Tensor):
+        _check_temperature_rows(temperature, logits)
+    elif (
         isinstance(temperature, bool)
         or not isinstance(temperature, (int, float))
         or not math.isfinite(temperature)
         or temperature < 0
     ):
         raise ValueError(
-            f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}"
+            f"temperature must be a finite float >= 0 (0 = greedy) or a tensor (N,) of per-row "
+            f"temperatures > 0, got {temperature!r}"
         )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
@@ -65,6 +74,34 @@ def _validate(logits, temperature, top_k, top_p, generator) -> None:
         raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator)}")
+
+
+def _check_temperature_rows(temperature: Tensor, logits: Tensor) -> None:
+    """A per-row temperature: a float tensor (N,) or (), on the logits' device or the CPU; its
+    values finite and > 0, checked on CPU tensors outside torch.compile (no host sync)."""
+    N = logits.shape[0]
+    ok = tuple(temperature.shape) in ((N,), ()) and temperature.is_floating_point()
+    ok = ok and temperature.device in (logits.device, torch.device("cpu"))
+    if not ok:
+        raise ValueError(
+            f"temperature as a tensor must be a float tensor of shape ({N},) (one per row of "
+            f"logits {tuple(logits.shape)}) or () (one for all), on {logits.device} or the CPU; "
+            f"got shape {tuple(temperature.shape)}, dtype {temperature.dtype} on "
+            f"{temperature.device}"
+        )
+    if temperature.device.type == "cpu" and not torch.compiler.is_compiling():
+        t = temperature.detach()
+        bad = ~torch.isfinite(t) | (t <= 0)
+        if bool(bad.any()):
+            raise ValueError(
+                f"temperature must hold finite values > 0 (greedy is the float 0); the tensor of "
+                f"shape {tuple(t.shape)} holds {int(bad.sum())} that are not"
+            )
+
+
+def _row_tau(temperature: Tensor, N: int, device) -> Tensor:
+    """A checked per-row temperature tensor as a detached fp32 (N,) on `device`."""
+    return temperature.detach().to(device=device, dtype=torch.float32).expand(N).contiguous()
 
 
 def _keep_sorted(sorted_z: Tensor, top_k, top_p, lse: Tensor | None = None) -> Tensor:
@@ -122,8 +159,9 @@ def truncate_logits(
     return z.masked_fill(~keep_unsorted, neg_inf)
 
 
-def _sample_torch(logits: Tensor, temperature: float, greedy: bool, top_k, top_p, generator):
-    """PyTorch path, rows in chunks (bounded fp32 temporaries, truncation included).
+def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, generator):
+    """PyTorch path, rows in chunks (bounded fp32 temporaries, truncation included); temperature
+    a float or an fp32 (N,) tensor of per-row temperatures (each chunk divides by its (n, 1)).
 
     Gumbel-max with G = -log(-log U), U ~ U[0, 1) from `generator` (U = 0 gives G = -inf: that
     token cannot win, an event of probability 2^-24 per entry). Statistics from zc = z' - m
@@ -139,7 +177,9 @@ def _sample_torch(logits: Tensor, temperature: float, greedy: bool, top_k, top_p
     for s in range(0, N, rows):
         e = min(N, s + rows)
         z = logits[s:e].float()
-        if temperature != 1.0:
+        if isinstance(temperature, Tensor):
+            z = z / temperature[s:e, None]  # z' = z / τ_r, row by row
+        elif temperature != 1.0:
             z = z / temperature
         if truncate:
             z = truncate_logits(z, top_k, top_p)
@@ -172,28 +212,35 @@ def _draw_seed(generator, device) -> Tensor:
 
 def sample(
     logits: Tensor,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample one token per row of logits (N, V) (any float dtype, any strides).
 
-    Returns tokens (N,) int64, logp (N,) fp32 (log-prob of the token under the distribution
-    sampled) and entropy (N,) fp32 (of that distribution). See the module docstring."""
+    temperature: a float (0 = greedy), or a tensor (N,) of per-row temperatures τ_r > 0 (or ()
+    for all rows). Returns tokens (N,) int64, logp (N,) fp32 (log-prob of the token under the
+    distribution sampled) and entropy (N,) fp32 (of that distribution). See the module
+    docstring."""
     _validate(logits, temperature, top_k, top_p, generator)
-    greedy = temperature == 0
+    if isinstance(temperature, Tensor):
+        greedy = False
+        temperature = _row_tau(temperature, logits.shape[0], logits.device)
+    else:
+        greedy = temperature == 0
+        temperature = 1.0 if greedy else float(temperature)
     truncate = not greedy and (
         (top_k is not None and top_k < logits.shape[1]) or (top_p is not None and top_p < 1)
     )
-    temperature = 1.0 if greedy else float(temperature)
     if backend_for(logits.device) != "triton":
         if not truncate:
             top_k = top_p = None
         return _sample_torch(logits, temperature, greedy, top_k, top_p, generator)
     z = logits
     if truncate:  # the (N, V) truncated copy (fp32) for the kernel
-        z = truncate_logits(logits.float() / temperature, top_k, top_p)
+        tau = temperature[:, None] if isinstance(temperature, Tensor) else temperature
+        z = truncate_logits(logits.float() / tau, top_k, top_p)
         temperature = 1.0
     from .kernels.sampling import sample_rows
 

@@ -6,7 +6,8 @@
 The launch configurations come from the launchers' own `*_configs` functions
 (policy_loss.row_stats_configs, row_grad_configs, scale_configs, sampling.sample_rows_configs,
 gae.gae_scan_configs), called over a grid of shapes: V from 1000 to 262144, few rows (decode:
-split-V) and many, fp32 / bf16 / fp16 logits, both values of every constexpr flag, two SM counts.
+split-V) and many, fp32 / bf16 / fp16 logits, both values of every constexpr flag (ROW_TEMP: a
+scalar or a per-row temperature), two SM counts.
 Identical configurations (same kernel, constexprs, warps and pointer element types: `_key`)
 compile once, with the argument specialization of the first launch that chose them. Each is
 compiled with `triton.compile` for each target; ptxas's own report (`-v`, the compile's log)
@@ -67,18 +68,26 @@ def launcher_calls():
         dt = _DTYPE_NAMES[dtype]
         for V in VOCABS:
             for N in ROWS:
-                for sms in SM_COUNTS:
-                    for cfg in row_stats_configs(N, V, dtype, sms):
-                        yield f"row_stats(N={N}, V={V}, {dt}, sms={sms})", cfg
-                    for greedy in (False, True):
-                        for cfg in sample_rows_configs(N, V, dtype, greedy, sms):
+                for row_temp in (False, True):  # a scalar or a per-row (tensor) temperature
+                    rt = ", row_temp=True" if row_temp else ""
+                    for sms in SM_COUNTS:
+                        for cfg in row_stats_configs(N, V, dtype, sms, row_temp=row_temp):
+                            yield f"row_stats(N={N}, V={V}, {dt}, sms={sms}{rt})", cfg
+                        for greedy in (False, True) if not row_temp else (False,):
+                            for cfg in sample_rows_configs(
+                                N, V, dtype, greedy, sms, row_temp=row_temp
+                            ):
+                                yield (
+                                    f"sample_rows(N={N}, V={V}, {dt}, greedy={greedy}, "
+                                    f"sms={sms}{rt})",
+                                    cfg,
+                                )
+                    for has_h in (False, True):
+                        for cfg in row_grad_configs(N, V, dtype, has_h, row_temp=row_temp):
                             yield (
-                                f"sample_rows(N={N}, V={V}, {dt}, greedy={greedy}, sms={sms})",
+                                f"row_grad_(N={N}, V={V}, {dt}, grad_entropy={has_h}{rt})",
                                 cfg,
                             )
-                for has_h in (False, True):
-                    for cfg in row_grad_configs(N, V, dtype, has_h):
-                        yield f"row_grad_(N={N}, V={V}, {dt}, grad_entropy={has_h})", cfg
                 for cfg in scale_configs(N, V, dtype):
                     yield f"scale_(R={N}, C={V}, {dt})", cfg
     for dtype in VALUE_DTYPES:

@@ -21,6 +21,11 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
 So the forward + backward of the loss reads the logits twice and writes the gradient once; the
 per-token terms in between are O(N) torch math (fastrl/losses.py).
 
+Temperature: every kernel that reads logits takes `inv_temp` (fp32 scalar, 1 / tau) and, with the
+constexpr flag ROW_TEMP, reads each row's own 1 / tau_t from `inv_temp_ptr` (fp32 (B * T,)) instead:
+per-token temperature, z'_tj = z_tj / tau_t, and every formula above with that row's tau_t. With
+ROW_TEMP off the pointer is a dummy that is never read (the scalar path compiles as before).
+
 Logits are addressed as (B, T, V) with arbitrary strides over B and T (e.g. a `logits[:, :-1]`
 view is read in place, never copied); the V dimension must have stride 1 (the caller copies
 otherwise). Row offsets are int64, so N * V > 2^31 is fine. An out-of-range token (y < 0 or
@@ -66,7 +71,9 @@ def _token_stats_fwd_kernel(
     V,
     stride_logits_b,
     stride_logits_t,
-    inv_temp,  # fp32 scalar, 1 / tau
+    inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
+    inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     BLOCK_V: tl.constexpr,
 ):
     # one program per row (grid (B * T,)): one online pass over the whole row keeps, relative
@@ -77,6 +84,8 @@ def _token_stats_fwd_kernel(
     b = row // T
     t = row - b * T
     row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
+    if ROW_TEMP:  # z'_j = z_j / tau_t with this row's own temperature
+        inv_temp = tl.load(inv_temp_ptr + row)
     m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
     _token_stats_store(
         row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
@@ -127,7 +136,9 @@ def _token_stats_split_fwd_kernel(
     SPLITS,  # slices per row
     stride_logits_b,
     stride_logits_t,
-    inv_temp,  # fp32 scalar, 1 / tau
+    inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
+    inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     BLOCK_V: tl.constexpr,
 ):
     # split-V stage 1, grid (B * T, SPLITS): program (row, k) reduces the slice
@@ -138,6 +149,8 @@ def _token_stats_split_fwd_kernel(
     b = row // T
     t = row - b * T
     row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
+    if ROW_TEMP:  # z'_j = z_j / tau_t with this row's own temperature
+        inv_temp = tl.load(inv_temp_ptr + row)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     m, s, w, n_nan = _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V)
@@ -159,15 +172,20 @@ def _token_stats_merge_fwd_kernel(
     SPLITS,
     stride_logits_b,
     stride_logits_t,
-    inv_temp,  # fp32 scalar, 1 / tau
+    inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
+    inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     BLOCK_S: tl.constexpr,
 ):
     # split-V stage 2, grid (B * T,): the log-sum-exp merge (softmax._lse_merge_partials) of a
-    # row's SPLITS partials, BLOCK_S at a time, then the outputs of _token_stats_fwd_kernel.
+    # row's SPLITS partials, BLOCK_S at a time, then the outputs of _token_stats_fwd_kernel
+    # (the partials are already in z' units; inv_temp scales z_y only).
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row - b * T
     row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
+    if ROW_TEMP:
+        inv_temp = tl.load(inv_temp_ptr + row)
     m, s, w, n_nan = _lse_init()
     ks = tl.arange(0, BLOCK_S)
     for start in range(0, SPLITS, BLOCK_S):
@@ -195,12 +213,15 @@ def _token_stats_bwd_kernel(
     stride_logits_t,
     stride_grad_b,
     stride_grad_t,
-    inv_temp,  # fp32 scalar, 1 / tau
+    inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
+    inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     HAS_GRAD_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # one program per row (grid (B * T,)): dL/dz_j = (1/tau) [g (1[j = y] - p_j)
-    # - h p_j (log p_j + H)] with log p_j = z'_j - lse, BLOCK_V columns at a time.
+    # - h p_j (log p_j + H)] with log p_j = z'_j - lse, BLOCK_V columns at a time (tau = tau_t,
+    # the row's own temperature, with ROW_TEMP; lse and H were computed with it).
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row - b * T
@@ -226,6 +247,8 @@ def _token_stats_bwd_kernel(
         lse = tl.load(lse_ptr + row)
         entropy = tl.load(entropy_ptr + row)
         y = tl.load(tokens_ptr + row).to(tl.int64)
+        if ROW_TEMP:
+            inv_temp = tl.load(inv_temp_ptr + row)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             valid = offs < V
@@ -288,36 +311,53 @@ def row_stats_configs(
     split_chunk: int | None = None,
     *,
     tokens_dtype: torch.dtype = torch.int64,
+    row_temp: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launches of `row_stats` for N rows of V logits of `dtype` on a device with
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (_split_config;
-    `split_chunk` forces it as in row_stats). Example arguments: logits (1, N, V) contiguous."""
+    `split_chunk` forces it as in row_stats); `row_temp`: a temperature per row (ROW_TEMP).
+    Example arguments: logits (1, N, V) contiguous."""
     block, _ = _launch_config(V, dtype.itemsize)
     splits, chunk = _split_config(N, V, block, device_sms, split_chunk)  # not cached: tests spy
-    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk)
+    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk, bool(row_temp))
 
 
 @functools.lru_cache(maxsize=256)
-def _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk) -> tuple[LaunchConfig, ...]:
+def _row_stats_configs(
+    N, V, dtype, tokens_dtype, splits, chunk, row_temp
+) -> tuple[LaunchConfig, ...]:
     block, num_warps = _launch_config(V, dtype.itemsize)
     logits = {"logits_ptr": Ptr(dtype)}
     shape = {"T": N, "V": V}
-    strides = {"stride_logits_b": N * V, "stride_logits_t": V, "inv_temp": 1.0}
+    strides = {"stride_logits_b": N * V, "stride_logits_t": V}
+    temp = {"inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32)}
     stats = {"logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "lse_ptr": Ptr(_F32)}
     tokens = {"tokens_ptr": Ptr(tokens_dtype)}
     if splits == 1:
-        args = {**logits, **tokens, **stats, **shape, **strides}
-        return (config(_token_stats_fwd_kernel, (N,), num_warps, args, BLOCK_V=block),)
+        args = {**logits, **tokens, **stats, **shape, **strides, **temp}
+        return (
+            config(
+                _token_stats_fwd_kernel, (N,), num_warps, args, ROW_TEMP=row_temp, BLOCK_V=block
+            ),
+        )
     block, num_warps = _launch_config(min(chunk, block), dtype.itemsize)
     aligned = _partials_aligned(N, splits)
     parts = {f"part_{k}_ptr": Ptr(_F32, aligned or k == "m") for k in "msw"}
-    split_args = {**logits, **parts, **shape, "CHUNK": chunk, "SPLITS": splits, **strides}
+    split_args = {**logits, **parts, **shape, "CHUNK": chunk, "SPLITS": splits, **strides, **temp}
     block_s, warps_s = _merge_config(splits)
-    merge_args = {**logits, **tokens, **parts, **stats, **shape, "SPLITS": splits, **strides}
+    merge_args = {
+        **logits, **tokens, **parts, **stats, **shape, "SPLITS": splits, **strides, **temp
+    }  # fmt: skip
     return (
-        config(_token_stats_split_fwd_kernel, (N, splits), num_warps, split_args, BLOCK_V=block),
-        config(_token_stats_merge_fwd_kernel, (N,), warps_s, merge_args, BLOCK_S=block_s),
-    )
+        config(
+            _token_stats_split_fwd_kernel, (N, splits), num_warps, split_args, ROW_TEMP=row_temp,
+            BLOCK_V=block,
+        ),
+        config(
+            _token_stats_merge_fwd_kernel, (N,), warps_s, merge_args, ROW_TEMP=row_temp,
+            BLOCK_S=block_s,
+        ),
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
@@ -328,22 +368,20 @@ def row_grad_configs(
     has_grad_entropy: bool,
     *,
     tokens_dtype: torch.dtype = torch.int64,
+    row_temp: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launch of `row_grad_` for N rows of V logits of `dtype` (the gradient in the same
-    dtype), with or without h = dL/dH. Example arguments: logits and out (1, N, V) contiguous."""
+    dtype), with or without h = dL/dH, with a scalar or (`row_temp`) a per-row temperature.
+    Example arguments: logits and out (1, N, V) contiguous."""
     block, num_warps = _launch_config(V, dtype.itemsize)
     args = {
         "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "lse_ptr": Ptr(_F32),
         "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32), "grad_entropy_ptr": Ptr(_F32),
         "grad_ptr": Ptr(dtype), "T": N, "V": V, "stride_logits_b": N * V, "stride_logits_t": V,
-        "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0,
+        "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
     }  # fmt: skip
-    flag = bool(has_grad_entropy)
-    return (
-        config(
-            _token_stats_bwd_kernel, (N,), num_warps, args, HAS_GRAD_ENTROPY=flag, BLOCK_V=block
-        ),
-    )
+    flags = {"ROW_TEMP": bool(row_temp), "HAS_GRAD_ENTROPY": bool(has_grad_entropy)}
+    return (config(_token_stats_bwd_kernel, (N,), num_warps, args, **flags, BLOCK_V=block),)
 
 
 @functools.lru_cache(maxsize=64)
@@ -358,16 +396,28 @@ def scale_configs(
 
 
 # --------------------------------------------------------------------------- launchers
+def inv_temperature(temperature, N: int, device: torch.device):
+    """(inv_temp, inv_temp_rows) of the kernels' temperature arguments: a float tau gives the fp32
+    scalar 1 / tau and no rows (ROW_TEMP off); a tensor of N per-row temperatures (any shape with
+    N elements, e.g. (B, T)) gives the scalar 1.0 and 1 / tau_t as a contiguous fp32 (N,) tensor
+    on `device` (ROW_TEMP on). The values are the caller's to check (finite, > 0)."""
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.detach().to(device=device, dtype=torch.float32).reshape(N)
+        return 1.0, torch.reciprocal(tau).contiguous()
+    return 1.0 / float(temperature), None
+
+
 def row_stats(
     logits: torch.Tensor,
     tokens: torch.Tensor,
-    temperature: float,
+    temperature,
     *,
     split_chunk: int | None = None,
 ):
     """lse, logp and entropy of every row in one pass.
 
-    logits (B, T, V) with stride(-1) == 1 (any strides over B, T); tokens (B, T) int32/int64.
+    logits (B, T, V) with stride(-1) == 1 (any strides over B, T); tokens (B, T) int32/int64;
+    temperature a float tau, or a tensor (B, T) of per-row temperatures tau_t (ROW_TEMP).
     Returns (logp, entropy, lse), each fp32 (B, T). Few rows with a large V (decode) run the
     split-V kernels (see _split_config; `split_chunk` forces the choice: 0 = one program per
     row, k > 0 = slices of k logits); both paths agree to fp32 rounding."""
@@ -380,11 +430,14 @@ def row_stats(
     if N == 0:
         return logp, entropy, lse
     tokens = tokens.contiguous()
+    inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
     cfgs = row_stats_configs(
-        N, V, logits.dtype, _sm_count(logits.device), split_chunk, tokens_dtype=tokens.dtype
-    )
-    inv_temp = 1.0 / float(temperature)
-    strides = (logits.stride(0), logits.stride(1), inv_temp)
+        N, V, logits.dtype, _sm_count(logits.device), split_chunk, tokens_dtype=tokens.dtype,
+        row_temp=inv_rows is not None,
+    )  # fmt: skip
+    # (with a scalar temperature, `lse` stands in for the per-row pointer: never read)
+    temp = (inv_temp, lse if inv_rows is None else inv_rows)
+    strides = (logits.stride(0), logits.stride(1), *temp)
     if len(cfgs) == 1:
         cfgs[0](logits, tokens, logp, entropy, lse, T, V, *strides)
         return logp, entropy, lse
@@ -403,35 +456,42 @@ def row_grad_(
     entropy: torch.Tensor,
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor | None,
-    temperature: float,
+    temperature,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Write dL/dz (SPEC 6) into `out` (B, T, V), which may be `logits` itself (in-place).
 
     logits (B, T, V); tokens, lse, entropy, grad_logp, grad_entropy (B, T) (fp32, the last two
-    are g and h; grad_entropy None means h = 0). Returns `out`."""
+    are g and h; grad_entropy None means h = 0); temperature a float tau or a (B, T) tensor of
+    per-row tau_t (the one the statistics were computed with). Returns `out`."""
     B, T, V = logits.shape
-    if B * T == 0:
+    N = B * T
+    if N == 0:
         return out
     assert out.shape == logits.shape and (V == 1 or out.stride(-1) == 1)
     tokens = tokens.contiguous()
+    inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
     (cfg,) = row_grad_configs(
-        B * T, V, logits.dtype, grad_entropy is not None, tokens_dtype=tokens.dtype
-    )
+        N, V, logits.dtype, grad_entropy is not None, tokens_dtype=tokens.dtype,
+        row_temp=inv_rows is not None,
+    )  # fmt: skip
     g = grad_logp.float().contiguous()
     h = g if grad_entropy is None else grad_entropy.float().contiguous()
+    lse = lse.contiguous()
     cfg(
-        logits, tokens, lse.contiguous(), entropy.contiguous(), g, h, out, T, V,
-        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), 1.0 / float(temperature),
+        logits, tokens, lse, entropy.contiguous(), g, h, out, T, V,
+        logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), inv_temp,
+        lse if inv_rows is None else inv_rows,
     )  # fmt: skip
     return out
 
 
-def stats_and_grad_(logits, tokens, temperature: float, grad_fn, out, rows_grads=None):
+def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None):
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
-    `logits`) from (g, h) = grad_fn(logp, H): the stats kernel, then g and h (O(N) torch), then
-    the gradient kernel (two reads of the logits). `rows_grads` (the torch backend's one-pass
-    hook) is not used here: the interface is the same as fastrl.chunked's."""
+    `logits`) from (g, h) = grad_fn(logp, H) (temperature: a float, or a (B, T) tensor of per-row
+    temperatures): the stats kernel, then g and h (O(N) torch), then the gradient kernel (two
+    reads of the logits). `rows_grads` (the torch backend's one-pass hook) is not used here: the
+    interface is the same as fastrl.chunked's."""
     logp, entropy, lse = row_stats(logits, tokens, temperature)
     g, h = grad_fn(logp, entropy)
     row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)

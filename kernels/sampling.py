@@ -13,6 +13,11 @@ its terms are >= 0). Entries equal to -inf (a truncated top-k / top-p support) g
 and never win. A row holding a NaN logit gives logp = H = NaN (its token is the argmax over the
 other entries: some value in [0, V)). GREEDY skips the noise (argmax of z').
 
+Temperature: `inv_temperature` is the fp32 scalar 1 / τ; with the constexpr flag ROW_TEMP each row
+reads its own 1 / τ_r from `inv_temp_ptr` (fp32 (N,)) instead (per-row temperature: the row is
+sampled from softmax(z / τ_r), and logp / H are under that distribution). With ROW_TEMP off the
+pointer is a dummy, never read.
+
 Two launch shapes (softmax._split_config decides, in `sample_rows_configs`; `split_chunk` forces
 it):
   * `_sample_fwd_kernel`, grid (N,): one program sweeps its whole row;
@@ -111,7 +116,9 @@ def _sample_fwd_kernel(
     V,
     stride_ln,
     stride_lv,
-    inv_temperature,
+    inv_temperature,  # fp32 scalar 1 / τ (unused when ROW_TEMP)
+    inv_temp_ptr,  # (N,) fp32: 1 / τ_r of each row (read only when ROW_TEMP)
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temperature = inv_temp_ptr[row]
     GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -119,6 +126,8 @@ def _sample_fwd_kernel(
     # token, logp and H (_sample_store).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
+    if ROW_TEMP:  # z' = z / τ_r with this row's own temperature
+        inv_temperature = tl.load(inv_temp_ptr + row)
     seed = tl.load(seed_ptr)
     m, s, w, n_nan, best_key, best_idx, best_z = _sample_slice(
         row_ptr, stride_lv, seed, row, V, 0, V, inv_temperature, GREEDY, BLOCK_V
@@ -141,16 +150,21 @@ def _sample_split_fwd_kernel(
     SPLITS,
     stride_ln,
     stride_lv,
-    inv_temperature,
+    inv_temperature,  # fp32 scalar 1 / τ (unused when ROW_TEMP)
+    inv_temp_ptr,  # (N,) fp32: 1 / τ_r of each row (read only when ROW_TEMP)
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temperature = inv_temp_ptr[row]
     GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # split-V stage 1, grid (N, SPLITS): program (row, k) reduces the columns
     # k·CHUNK <= j < min((k + 1)·CHUNK, V) to its partials (same per-column noise as the
-    # one-program kernel: Philox counter row·V + j).
+    # one-program kernel: Philox counter row·V + j). The partials are in z' = z / τ_r units, so
+    # the merge kernel needs no temperature.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
+    if ROW_TEMP:
+        inv_temperature = tl.load(inv_temp_ptr + row)
     seed = tl.load(seed_ptr)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
@@ -226,25 +240,30 @@ def sample_rows_configs(
     greedy: bool,
     device_sms: int = _SPLIT_SM_COUNT,
     split_chunk: int | None = None,
+    *,
+    row_temp: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launches of `sample_rows` for N rows of V logits of `dtype` on a device with
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (softmax._split_config;
-    `split_chunk` forces it as in sample_rows). Example arguments: logits (N, V) contiguous."""
+    `split_chunk` forces it as in sample_rows); `row_temp`: a temperature per row (ROW_TEMP; never
+    with `greedy`, which ignores the temperature). Example arguments: logits (N, V) contiguous."""
     block_v = min(4096, next_power_of_2(V))
     splits, chunk = _split_config(N, V, block_v, device_sms, split_chunk)  # not cached: tests spy
-    return _sample_rows_configs(N, V, dtype, bool(greedy), splits, chunk)
+    row_temp = bool(row_temp) and not greedy
+    return _sample_rows_configs(N, V, dtype, bool(greedy), splits, chunk, row_temp)
 
 
 @functools.lru_cache(maxsize=256)
-def _sample_rows_configs(N, V, dtype, greedy, splits, chunk) -> tuple[LaunchConfig, ...]:
+def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[LaunchConfig, ...]:
     block_v = min(4096, next_power_of_2(V))
     logits = {"logits_ptr": Ptr(dtype), "seed_ptr": Ptr(torch.int64)}
     outs = {"tokens_ptr": Ptr(torch.int64), "logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32)}
-    strides = {"stride_ln": V, "stride_lv": 1, "inv_temperature": 1.0}
+    strides = {"stride_ln": V, "stride_lv": 1, "inv_temperature": 1.0, "inv_temp_ptr": Ptr(_F32)}
+    flags = {"ROW_TEMP": row_temp, "GREEDY": greedy}
     if splits == 1:
         args = {**logits, **outs, "V": V, **strides}
         warps = _sample_warps(block_v, dtype)
-        return (config(_sample_fwd_kernel, (N,), warps, args, GREEDY=greedy, BLOCK_V=block_v),)
+        return (config(_sample_fwd_kernel, (N,), warps, args, **flags, BLOCK_V=block_v),)
     block_v = min(block_v, max(16, next_power_of_2(chunk)))
     # scratch: fp32 (5, N, splits) for m, s, w, key, z' and int64 (N, splits) for the index
     aligned = (N * splits * 4) % 16 == 0
@@ -255,7 +274,7 @@ def _sample_rows_configs(N, V, dtype, greedy, splits, chunk) -> tuple[LaunchConf
     return (
         config(
             _sample_split_fwd_kernel, (N, splits), _sample_warps(block_v, dtype), split_args,
-            GREEDY=greedy, BLOCK_V=block_v,
+            **flags, BLOCK_V=block_v,
         ),
         config(
             _sample_merge_fwd_kernel, (N,), warps_s, {**parts, **outs, "SPLITS": splits},
@@ -267,13 +286,15 @@ def _sample_rows_configs(N, V, dtype, greedy, splits, chunk) -> tuple[LaunchConf
 def sample_rows(
     logits: torch.Tensor,
     seed: torch.Tensor,
-    temperature: float,
+    temperature,
     greedy: bool,
     *,
     split_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample every row. logits (N, V) any float, any strides; seed (1,) int64 on the logits'
-    device. Returns tokens (N,) int64, logp (N,) fp32, entropy (N,) fp32.
+    device; temperature a float τ, or a tensor (N,) of per-row temperatures τ_r (ROW_TEMP; not
+    with `greedy`, which samples the argmax under τ = 1). Returns tokens (N,) int64, logp (N,)
+    fp32, entropy (N,) fp32.
 
     One program per row, or split-V for few rows and a large V (softmax._split_config;
     `split_chunk` forces it: 0 = one program per row, k > 0 = slices of k columns). Both give
@@ -285,9 +306,20 @@ def sample_rows(
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
     if N == 0:
         return tokens, logp, entropy
-    cfgs = sample_rows_configs(N, V, logits.dtype, greedy, _sm_count(dev), split_chunk)
-    inv_temperature = 1.0 if greedy else 1.0 / temperature
-    strides = (logits.stride(0), logits.stride(1), inv_temperature)
+    inv_rows = None
+    if greedy:
+        inv_temperature = 1.0
+    elif isinstance(temperature, torch.Tensor):
+        tau = temperature.detach().to(device=dev, dtype=torch.float32).reshape(N)
+        inv_temperature, inv_rows = 1.0, torch.reciprocal(tau).contiguous()
+    else:
+        inv_temperature = 1.0 / temperature
+    cfgs = sample_rows_configs(
+        N, V, logits.dtype, greedy, _sm_count(dev), split_chunk, row_temp=inv_rows is not None
+    )
+    # (with a scalar temperature, `logp` stands in for the per-row pointer: never read)
+    temp = (inv_temperature, logp if inv_rows is None else inv_rows)
+    strides = (logits.stride(0), logits.stride(1), *temp)
     if len(cfgs) == 1:
         cfgs[0](logits, seed, tokens, logp, entropy, V, *strides)
         return tokens, logp, entropy
