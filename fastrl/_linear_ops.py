@@ -11,14 +11,20 @@ and, for a gradient, dL/dz in place of z (SPEC 6), dL/da = dz * dz/da, then dX[r
 dW += da^T X (fp32 accumulation of dW and db across chunks, cast once at the end).
 
 Registered ops (namespace "fastrl"; fake implementations included, so torch.compile traces them):
-  fastrl::linear_token_stats(hidden, weight, bias, tokens, mask, tau, s, c, chunk)
-      -> (logp, entropy, lse), fp32 (N,) each; 0 where mask == 0
-  fastrl::linear_token_stats_backward(..., lse, entropy, g, h, ...) -> (dX, dW, db or (0,))
+  fastrl::linear_token_stats(hidden, weight, bias, tokens, mask, tau, s, c, chunk,
+      temperature_rows=None) -> (logp, entropy, lse), fp32 (N,) each; 0 where mask == 0
+  fastrl::linear_token_stats_backward(..., lse, entropy, g, h, ..., temperature_rows=None)
+      -> (dX, dW, db or (0,))
   fastrl::linear_policy_grad(hidden, weight, bias, <ops.POLICY_ARGS_SCHEMA>, s, c, chunk)
       -> (logp, entropy, dX, dW, db or (0,)): the policy loss's gradient in its forward
 
 The plain functions `local_stats` and `local_grads` are the same loops over a given set of rows;
 `fastrl.vocab_parallel` runs them on one rank's shard of the vocabulary.
+
+Per-token temperature: `temperature_rows` (fp32 (N,), one tau_t per flat row, detached; the
+ops' `float temperature` is then ignored) or, in fastrl::linear_policy_grad, POLICY_ARGS_SCHEMA's
+`temperature_rows` (B, T). Each chunk takes its rows of it like the tokens (`index_select` of
+the active rows) and hands the backends the (1, R) tensor; without it the float path is as is.
 """
 
 from __future__ import annotations
@@ -141,16 +147,25 @@ def _bias_or_empty(bias, weight):
     return weight.new_empty(0) if bias is None else bias
 
 
-def row_stats(z: Tensor, y: Tensor, temperature: float):
+def row_stats(z: Tensor, y: Tensor, temperature):
     """(logp, entropy, lse) fp32 (1, R) of a chunk's logits z (1, R, V), tokens y (1, R), on the
-    device's backend (`ops.backend`)."""
-    return ops.backend(z.device).row_stats(z, y, float(temperature))
+    device's backend (`ops.backend`); temperature a float or the chunk's (1, R) per-row tau."""
+    return ops.backend(z.device).row_stats(z, y, ops.temperature_arg(temperature))
 
 
-def row_grad_(z: Tensor, y, lse, entropy, g, h, temperature: float) -> Tensor:
+def row_grad_(z: Tensor, y, lse, entropy, g, h, temperature) -> Tensor:
     """SPEC 6's dL/dz written over the chunk's logits z (1, R, V) (each row is read before it is
-    written) from its (1, R) statistics and g, h (h None: 0)."""
-    return ops.backend(z.device).row_grad_(z, y, lse, entropy, g, h, float(temperature), z)
+    written) from its (1, R) statistics and g, h (h None: 0); temperature as in `row_stats`."""
+    tau = ops.temperature_arg(temperature)
+    return ops.backend(z.device).row_grad_(z, y, lse, entropy, g, h, tau, z)
+
+
+def pick_temperature(temperature, idx: Tensor):
+    """The temperature of the rows `idx` (flat indices): a float as is, or the (1, R) rows of a
+    per-row tensor (N elements, e.g. (N,) or (B, T))."""
+    if not isinstance(temperature, Tensor):
+        return temperature
+    return temperature.reshape(-1).index_select(0, idx)[None]
 
 
 def _chunks(active: Tensor, chunk: int) -> list[Tensor]:
@@ -168,12 +183,14 @@ def scatter_rows(values: Tensor, active: Tensor, N: int) -> list[Tensor]:
 # --------------------------------------------------------------------------- the two loops
 def local_stats(hidden, weight, bias, y, active, temperature, logit_scale, softcap, chunk):
     """fp32 (3, R) (logp, entropy, lse) of the rows `active` (R,) of hidden, tokens y (N,)
-    (flat, in [0, V)), z = softcap(s (hidden W^T + b)) / tau; `chunk` rows per GEMM."""
+    (flat, in [0, V)), z = softcap(s (hidden W^T + b)) / tau; `chunk` rows per GEMM.
+    temperature: a float, or a tensor of per-row tau (N elements)."""
     out = torch.empty(3, active.numel(), dtype=torch.float32, device=hidden.device)
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     for s, idx in zip(range(0, active.numel(), chunk), _chunks(active, chunk)):
         z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
-        stats = row_stats(z[None], y.index_select(0, idx)[None], temperature)
+        tau = pick_temperature(temperature, idx)
+        stats = row_stats(z[None], y.index_select(0, idx)[None], tau)
         out[:, s : s + idx.numel()] = torch.cat(stats)  # each (1, R)
         del z
     return out
@@ -184,7 +201,8 @@ def local_grads(hidden, weight, bias, y, active, lse, entropy, g, h, temperature
     """(dX (N, H), dW, db or None) from g = dL/dlogp and h = dL/dH (fp32 (N,), h may be None)
     and the rows' lse and H (N,): per chunk of `active` the logits again, SPEC 6's dz in place,
     then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry at y (its row's dz is
-    -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not own it)."""
+    -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not own it). temperature:
+    a float, or a tensor of per-row tau (N elements)."""
     grads = _Grads(y.numel(), active.numel(), weight, bias, hidden.dtype)
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     for idx in _chunks(active, chunk):
@@ -192,7 +210,8 @@ def local_grads(hidden, weight, bias, y, active, lse, entropy, g, h, temperature
         z = _logits(rows, weight, bias, logit_scale, softcap, buf)
         factor = _chain_factor(z, logit_scale, softcap)
         pick = lambda t, idx=idx: None if t is None else t.index_select(0, idx)[None]  # noqa: E731
-        row_grad_(z[None], pick(y), pick(lse), pick(entropy), pick(g), pick(h), temperature)
+        tau = pick_temperature(temperature, idx)
+        row_grad_(z[None], pick(y), pick(lse), pick(entropy), pick(g), pick(h), tau)
         grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
         del z, factor
     return grads.result(weight, bias)
@@ -210,18 +229,22 @@ def linear_token_stats(
     logit_scale: float,
     softcap: float | None,
     chunk: int,
+    temperature_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for the
-    rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed)."""
+    rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed).
+    temperature_rows: None, or fp32 (N,) per-row tau replacing `temperature` (no gradient)."""
     N = tokens.numel()
     active = _active_rows(mask, N, hidden.device)
-    local = local_stats(hidden, weight, bias, tokens.reshape(-1), active, temperature,
+    tau = temperature if temperature_rows is None else temperature_rows
+    local = local_stats(hidden, weight, bias, tokens.reshape(-1), active, tau,
                         logit_scale, softcap, chunk)  # fmt: skip
     return tuple(scatter_rows(local, active, N))
 
 
 @linear_token_stats.register_fake
-def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk):
+def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk,
+      temperature_rows=None):  # fmt: skip
     N = tokens.numel()
     return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(3))
 
@@ -241,30 +264,33 @@ def linear_token_stats_backward(
     logit_scale: float,
     softcap: float | None,
     chunk: int,
+    temperature_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden (N, H), grad_weight (V, H), grad_bias (V,) or (0,)) from g = dL/dlogp and
-    h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X."""
+    h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X.
+    temperature_rows: as in linear_token_stats."""
     active = _active_rows(mask, tokens.numel(), hidden.device)
     h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+    tau = temperature if temperature_rows is None else temperature_rows
     dh, dw, db = local_grads(
         hidden, weight, bias, tokens.reshape(-1), active, lse, entropy,
-        grad_logp.reshape(-1).float(), h, temperature, logit_scale, softcap, chunk,
+        grad_logp.reshape(-1).float(), h, tau, logit_scale, softcap, chunk,
     )  # fmt: skip
     return dh, dw, _bias_or_empty(db, weight)
 
 
 @linear_token_stats_backward.register_fake
 def _(hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, temperature,
-      logit_scale, softcap, chunk):  # fmt: skip
+      logit_scale, softcap, chunk, temperature_rows=None):  # fmt: skip
     N, H = tokens.numel(), weight.shape[1]
     V = weight.shape[0] if bias is not None else 0
     return hidden.new_empty(N, H), torch.empty_like(weight), weight.new_empty(V)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk = inputs
+    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk, tau_rows = inputs
     logp, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, bias, tokens, mask, lse, entropy)
+    ctx.save_for_backward(hidden, weight, bias, tokens, mask, lse, entropy, tau_rows)
     ctx.args = (temperature, logit_scale, softcap, chunk)
     ctx.has_bias = bias is not None
     ctx.hidden_shape = hidden.shape
@@ -273,15 +299,25 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     ops.refuse_double_backward("linear_logprobs")
-    hidden, weight, bias, tokens, mask, lse, entropy = ctx.saved_tensors
+    hidden, weight, bias, tokens, mask, lse, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
     with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtype, as is
         dh, dw, db = linear_token_stats_backward(
-            hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, *ctx.args
+            hidden,
+            weight,
+            bias,
+            tokens,
+            mask,
+            lse,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            *ctx.args,
+            tau_rows,
         )
     return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
-            None, None)  # fmt: skip
+            None, None, None)  # fmt: skip
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -304,7 +340,7 @@ def _linear_policy_grad(hidden, weight, bias, *args):
     x = ops.policy_inputs_from_op(None, args[:-3])
     logit_scale, softcap, chunk = args[-3:]
     tokens, mask = x.tokens, x.mask
-    tau = x.config.temperature
+    tau = x.temperature  # the float, or the (B, T) per-row tensor
     B, T = tokens.shape
     N = B * T
     active = _active_rows(mask, N, hidden.device)
@@ -329,8 +365,9 @@ def _linear_policy_grad(hidden, weight, bias, *args):
         z = _logits(rows, weight, bias, logit_scale, softcap, buf)
         factor = _chain_factor(z, logit_scale, softcap)
         x_rows = ops.select_rows(flat, idx)
+        w_rows = weights.index_select(1, idx)
         lp, ent = ops.stats_and_grad_(
-            z[None], x_rows.tokens, tau, x_rows, z[None], weights.index_select(1, idx)
+            z[None], x_rows.tokens, x_rows.temperature, x_rows, z[None], w_rows
         )
         logp.index_copy_(0, idx, lp[0])
         entropy.index_copy_(0, idx, ent[0])

@@ -36,7 +36,14 @@ import torch
 from torch import Tensor
 
 from . import ops, vocab_parallel
-from ._inputs import FLOAT_DTYPES, check_mask, check_temperature, describe, prepare_policy_inputs
+from ._inputs import (
+    FLOAT_DTYPES,
+    check_mask,
+    check_temperature,
+    check_temperature_rows,
+    describe,
+    prepare_policy_inputs,
+)
 from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
     default_chunk,
     linear_policy_grad,
@@ -44,7 +51,7 @@ from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
     linear_token_stats_backward,
 )
 from .config import LossConfig
-from .packing import check_cu_seqlens
+from .packing import check_cu_seqlens, make_packing
 from .terms import PolicyLossOutput, policy_output
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
@@ -145,7 +152,7 @@ def linear_logprobs(
     tokens: Tensor,
     *,
     bias: Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     entropy: bool = False,
     mask: Tensor | None = None,
     logit_scale: float = 1.0,
@@ -163,7 +170,9 @@ def linear_logprobs(
 
     Math: z = softcap(s (h W^T + b)) with s = logit_scale and softcap(a) = c tanh(a / c) when
     `softcap` = c is set (Gemma), z' = z / temperature, logp_t = z'_y - logsumexp(z'),
-    H_t = -sum_j p_j log p_j. Returns fp32 logp shaped like tokens, or (logp, H) with
+    H_t = -sum_j p_j log p_j. `temperature`: a float, or a tensor of per-token tau_t (like
+    tokens, (B,) one per sequence, (S,) one per packed sequence with `cu_seqlens`, or (); a
+    constant: detached, no gradient). Returns fp32 logp shaped like tokens, or (logp, H) with
     `entropy=True`; both differentiable w.r.t. hidden, weight and bias (the exact entropy
     gradient of SPEC 6), through torch.library custom ops (torch.compile traces them).
     Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V)` rows).
@@ -189,20 +198,34 @@ def linear_logprobs(
         check_cu_seqlens(cu_seqlens, tokens.shape[0])
     if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
         return _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask,
-                                   logit_scale, softcap, chunk_size, group)  # fmt: skip
+                                   logit_scale, softcap, chunk_size, group, cu_seqlens)  # fmt: skip
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
     V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
-    temperature = check_temperature(temperature)
     _check_tokens(tokens, hidden, V)
+    temperature, tau_rows = _check_linear_temperature(temperature, tokens, cu_seqlens)
     if mask is not None:
         mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device, as_float=False)
     with autocast_off:
         logp, ent, _ = linear_token_stats(
             hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
-            None if softcap is None else float(softcap), chunk_size or default_chunk(V),
+            None if softcap is None else float(softcap), chunk_size or default_chunk(V), tau_rows,
         )  # fmt: skip
     logp, ent = logp.view(tokens.shape), ent.view(tokens.shape)
     return (logp, ent) if entropy else logp
+
+
+def _check_linear_temperature(temperature, tokens: Tensor, cu_seqlens):
+    """(float temperature, per-row fp32 (N,) tau or None) of linear_logprobs' `temperature`
+    (tokens already checked)."""
+    if not isinstance(temperature, Tensor):
+        return check_temperature(temperature), None
+    flat = tokens.dim() == 1
+    B, T = (1, tokens.shape[0]) if flat else tuple(tokens.shape)
+    packing = None
+    if cu_seqlens is not None and temperature.dim() == 1:  # (S,) allowed: per sequence
+        packing = make_packing(cu_seqlens, T, tokens.device, max_seqlen=T)
+    rows = check_temperature_rows(temperature, B, T, flat, tokens.device, packing)
+    return 1.0, rows.reshape(-1)
 
 
 def _eager(fn):
@@ -220,14 +243,15 @@ def _eager(fn):
 
 @_eager
 def _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask, logit_scale,
-                        softcap, chunk_size, group):  # fmt: skip
+                        softcap, chunk_size, group, cu_seqlens):  # fmt: skip
     weight, bias, group, shard = vocab_parallel.resolve(weight, bias, group)
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
 
     def check():
         _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=True)
-        tau = check_temperature(temperature)
         _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
+        tau, tau_rows = _check_linear_temperature(temperature, tokens, cu_seqlens)
+        tau = tau if tau_rows is None else tau_rows  # a float, or fp32 (N,) per row
         m = None if mask is None else check_mask("mask", mask, tuple(tokens.shape),
                                                  tokens.device, as_float=False)  # fmt: skip
         return tau, m
@@ -266,7 +290,9 @@ def fused_linear_policy_loss(
     Shapes: hidden (B, T, H) or (N, H) (the lm_head's input, any strides); weight (V, H);
     bias (V,) or None; tokens, advantages, old / ref / rollout log-probs, mask, config and
     packed sequences (`cu_seqlens`, `max_seqlen` with (N, H) hidden) exactly as in
-    `policy_loss`; logit_scale / softcap as in `linear_logprobs`. Rows with mask == 0 do no GEMM
+    `policy_loss`, the `temperature` override included (a float, or a tensor of per-token
+    tau_t as in `policy_loss`); logit_scale / softcap as in `linear_logprobs`. Rows with mask == 0
+    do no GEMM
     work (their logp / entropy are reported as 0). With a token-separable config the
     gradient is computed in the forward: per chunk of rows one logits GEMM, the loss statistics
     and dL/dz in one pass, then dX = dz W and dW += dz^T X (three GEMMs, no recompute); the
@@ -291,7 +317,7 @@ def fused_linear_policy_loss(
     _check_tokens(tokens, hidden, V)
     x = prepare_policy_inputs(
         None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
-        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
     )  # fmt: skip
     args = ops.op_inputs(x)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
@@ -322,9 +348,10 @@ def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wan
         )  # fmt: skip
     else:
         flat_tokens = x.tokens.reshape(-1)
+        tau_rows = None if x.temperature_rows is None else x.temperature_rows.reshape(-1)
         logp, entropy, _ = linear_token_stats(
             hidden, weight, bias, flat_tokens, x.mask.reshape(-1), x.config.temperature, scale,
-            cap, chunk,
+            cap, chunk, tau_rows,
         )  # fmt: skip
         logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
     with torch.no_grad():
@@ -346,7 +373,7 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
         _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
         x = prepare_policy_inputs(
             None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
         )  # fmt: skip
         return x, x.mask
 

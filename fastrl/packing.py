@@ -63,7 +63,7 @@ class Packing:
         return dataclasses.replace(
             x, logits=None, tokens=None, advantages=pad(x.advantages), old_logp=pad(x.old_logp),
             ref_logp=pad(x.ref_logp), rollout_logp=pad(x.rollout_logp), mask=pad(x.mask),
-            flat=False, packing=None,
+            flat=False, packing=None, temperature_rows=None,
         )  # fmt: skip
 
 

@@ -98,8 +98,10 @@ def policy_loss(
         config,
         overrides,
         check_range=True,
+        temperature_tensor=True,
     )
-    logp, entropy = token_logprobs(x.logits, x.tokens, x.config.temperature)  # (B, T) each
+    tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows[..., None]
+    logp, entropy = token_logprobs(x.logits, x.tokens, tau)  # (B, T) each
     return policy_output(logp, entropy, x)
 
 

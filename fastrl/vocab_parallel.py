@@ -22,8 +22,10 @@ sent per row per rank, 12 P B received and held (a (P, R, 3) fp32 buffer), merge
 on every rank (same numbers everywhere, no separate max all-reduce, no overflow for any
 offset: the merge is in log space). The backward on this shard's columns needs only the
 global lse and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j)
-- h p_j (log p_j + H)], where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r
-stay local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
+- h p_j (log p_j + H)] (tau: the float, or the row's own tau_t with a per-token temperature,
+replicated like the other per-token inputs), where only the owner has the 1[j = y] entry;
+dW_r = dz_r^T X and db_r stay local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H
+values in hidden's dtype.
 
 Collectives per call: one all-gather of 8 int64 per rank (shard sizes, row counts, chunk size,
 token range, an input-check flag: the one host read of the call) that checks the inputs are
@@ -60,6 +62,7 @@ from ._linear_ops import (
     default_chunk,
     local_grads,
     local_stats,
+    pick_temperature,
     row_grad_,
     row_stats,
     scatter_rows,
@@ -258,7 +261,8 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 def linear_logprobs(hidden, weight, bias, tokens, temperature, logit_scale, softcap, plan):
-    """(logp, H) fp32 shaped like tokens, differentiable w.r.t. hidden, weight_r and bias_r."""
+    """(logp, H) fp32 shaped like tokens, differentiable w.r.t. hidden, weight_r and bias_r.
+    temperature: a float, or fp32 (N,) per-row tau (a constant: no gradient)."""
     args = (temperature, logit_scale, softcap)
     return _LinearLogprobs.apply(hidden, weight, bias, tokens, args, plan)
 
@@ -267,9 +271,10 @@ def linear_logprobs(hidden, weight, bias, tokens, temperature, logit_scale, soft
 def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bool):
     """(logp, H) fp32 (B, T) of the policy inputs `x` and, with `wants_grad`, the gradients
     (dX (N, H) summed over the group, dW_r, db_r or None), all in the forward."""
-    tau = x.config.temperature
     B, T = x.tokens.shape
     N = B * T
+    # a float, or the per-row tau as fp32 (N,) (each chunk takes its rows, like the tokens)
+    tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows.reshape(N)
     y = x.tokens.reshape(-1).long()
     if not wants_grad or not is_token_separable(x.config):  # one all-gather of (R, 3)
         local = torch.stack(_stats(hidden, weight, bias, y, tau, scale, cap, plan))
@@ -295,7 +300,8 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
             z = _logits(rows, weight, bias, scale, cap, buf)
             factor = _chain_factor(z, scale, cap)
             yc = y_loc.clamp(0, plan.width - 1)[None]
-            local = torch.cat(row_stats(z[None], yc, tau))
+            tau_rows = pick_temperature(tau, idx)
+            local = torch.cat(row_stats(z[None], yc, tau_rows))
         else:
             local = _empty_shard_stats(idx.numel(), hidden.device)
         lp, ent, lse = merge(local, y.index_select(0, idx), plan)
@@ -304,7 +310,7 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
         logp.index_copy_(0, idx, lp)
         entropy.index_copy_(0, idx, ent)
         if plan.width:
-            row_grad_(z[None], y_loc[None], lse[None], ent[None], g, h, tau)
+            row_grad_(z[None], y_loc[None], lse[None], ent[None], g, h, tau_rows)
             grads.add(idx, rows, _to_pre_activation(z, factor, scale), weight)
             del z, factor
     dh, dw, db = grads.result(weight, bias)

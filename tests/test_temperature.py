@@ -473,6 +473,121 @@ def test_triton_sampler_split_v_per_row_temperature(split_chunk):
         assert tokens[r] == scalar[r]
 
 
+# --------------------------------------------------------------------------- the LM head
+# fastrl.linear_logprobs / fused_linear_policy_loss with a tensor temperature: each chunk of the
+# active rows takes its rows of tau. The oracle: fastrl.reference on the explicit logits
+# (hidden @ weight.T) / tau[..., None] at temperature 1 (autograd through the division). Values
+# to rtol 1e-5 / atol 1e-6; gradients as `_close_grad` (atol relative to the largest entry: a
+# small tau_t scales a row's gradient by 1 / tau_t, and fp32 GEMMs round at that scale).
+LIN = dict(rtol=1e-5, atol=1e-6)
+
+
+def _lm_batch(B=3, T=5, H=8, V=37, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(device)
+    weight = (torch.randn(V, H, generator=g) * (2.0 / H**0.5)).to(device)
+    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
+    tau = (0.3 + 2.0 * torch.rand(B, T, generator=g)).to(device)
+    mask = (torch.rand(B, T, generator=g) > 0.25).to(device)
+    return hidden, weight, tokens, tau, mask
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.parametrize("layout", ["per_token", "flat"])
+def test_linear_logprobs_per_token_temperature_matches_reference(device, layout):
+    hidden, weight, tokens, tau, mask = _lm_batch(device=device)
+    if layout == "flat":
+        H = hidden.shape[-1]
+        hidden = hidden.reshape(-1, H)
+        tokens, tau, mask = (t.reshape(-1) for t in (tokens, tau, mask))
+    g = torch.Generator().manual_seed(1)
+    w1, w2 = (torch.randn(tokens.shape, generator=g).to(device) * mask for _ in "12")
+
+    h, w = _leaves(hidden, weight)
+    logp, ent = fastrl.linear_logprobs(h, w, tokens, temperature=tau, entropy=True, mask=mask,
+                                       chunk_size=4)  # fmt: skip
+    (w1 * logp + w2 * ent).sum().backward()
+    hr, wr = _leaves(hidden, weight)
+    rlogp, rent = R.logprobs((hr @ wr.t()) / tau[..., None], tokens, entropy=True)
+    (w1 * rlogp + w2 * rent).sum().backward()
+    torch.testing.assert_close(logp, torch.where(mask, rlogp, 0.0), **LIN)
+    torch.testing.assert_close(ent, torch.where(mask, rent, 0.0), **LIN)
+    _close_grad(h.grad, hr.grad)
+    _close_grad(w.grad, wr.grad)
+
+
+@pytest.mark.parametrize("preset,overrides", PRESETS[::2], ids=[p for p, _ in PRESETS[::2]])
+def test_fused_linear_policy_loss_per_token_temperature_matches_reference(
+    device, preset, overrides
+):
+    hidden, weight, tokens, tau, mask = _lm_batch(device=device)
+    B, T = tokens.shape
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        rlogp, _ = R.token_logprobs((hidden @ weight.t()) / tau[..., None], tokens)
+    old = rlogp + 0.2 * torch.randn(B, T, generator=g).to(device)
+    ref_logp = rlogp + 0.2 * torch.randn(B, T, generator=g).to(device)
+    adv = torch.randn(B, generator=g).to(device)
+    kw = dict(ref_logp=ref_logp, mask=mask, config=preset, **overrides)
+
+    h, w = _leaves(hidden, weight)
+    out = fastrl.fused_linear_policy_loss(h, w, tokens, adv, old, temperature=tau, chunk_size=4,
+                                          **kw)  # fmt: skip
+    out.loss.backward()
+    hr, wr = _leaves(hidden, weight)
+    ref = R.policy_loss((hr @ wr.t()) / tau[..., None], tokens, adv, old, **kw)
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss.detach(), **LIN)
+    torch.testing.assert_close(out.logp, torch.where(mask, ref.logp, 0.0), **LIN)
+    torch.testing.assert_close(out.entropy, torch.where(mask, ref.entropy, 0.0), **LIN)
+    _close_grad(h.grad, hr.grad)
+    _close_grad(w.grad, wr.grad)
+    with torch.no_grad():  # the forward-only path (linear_token_stats)
+        nograd = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old,
+                                                 temperature=tau, **kw)  # fmt: skip
+    torch.testing.assert_close(nograd.loss, ref.loss.detach(), **LIN)
+
+
+def test_linear_constant_and_per_sequence_tensors_equal_their_float_and_expansion(device):
+    """A constant tensor gives the float's numbers (0.75: 1 / tau rounds the same either way);
+    (B,) per sequence and (S,) per packed sequence equal their per-token expansion."""
+    hidden, weight, tokens, tau, mask = _lm_batch(device=device)
+    B, T = tokens.shape
+    adv = torch.randn(B, device=device)
+
+    def run(t, h=hidden, y=tokens, m=mask, **kw):
+        hl, wl = _leaves(h, weight)
+        logp, ent = fastrl.linear_logprobs(hl, wl, y, temperature=t, entropy=True, mask=m,
+                                           chunk_size=4, **kw)  # fmt: skip
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        res = [logp, ent, hl.grad, wl.grad]
+        if "cu_seqlens" not in kw:
+            hl, wl = _leaves(h, weight)
+            out = fastrl.fused_linear_policy_loss(hl, wl, y, adv, mask=m, config="grpo",
+                                                  kl_coef=0.0, entropy_coef=0.01,
+                                                  temperature=t)  # fmt: skip
+            out.loss.backward()
+            res += [out.loss, out.logp, hl.grad, wl.grad]
+        return res
+
+    for a, b in zip(run(0.75), run(torch.full((B, T), 0.75, device=device))):
+        assert torch.equal(a, b)
+    per_seq = tau[:, 0]
+    for a, b in zip(run(per_seq), run(per_seq[:, None].expand(B, T).clone())):
+        assert torch.equal(a, b)
+    # packed rows: (S,) one per sequence
+    H = hidden.shape[-1]
+    cu = torch.tensor([0, 2, 7, 9])
+    flat = dict(h=hidden.reshape(-1, H)[:9], y=tokens.reshape(-1)[:9], m=None, cu_seqlens=cu)
+    seq_tau = torch.tensor([0.5, 1.7, 0.9], device=device)
+    tok_tau = seq_tau.repeat_interleave(torch.tensor([2, 5, 2]).to(device))
+    for a, b in zip(run(seq_tau, **flat), run(tok_tau, **flat)):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- torch.compile
 @pytest.fixture
 def _fresh_dynamo():

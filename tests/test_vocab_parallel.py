@@ -33,10 +33,11 @@ def _batch(B=3, T=5, seed=0):
     mask = torch.rand(B, T, generator=g) > 0.25
     adv = torch.randn(B, generator=g)
     old, ref, up_lp, up_h = (0.3 * torch.randn(B, T, generator=g) for _ in range(4))
+    tau = 0.4 + 1.5 * torch.rand(B, T, generator=g)  # a per-token temperature
     with torch.no_grad():
         logp = fastrl.linear_logprobs(hidden, weight, tokens, bias=bias)
     return dict(hidden=hidden, weight=weight, bias=bias, tokens=tokens, mask=mask, adv=adv,
-                old=logp + old, ref=logp + ref, up_lp=up_lp, up_h=up_h)  # fmt: skip
+                old=logp + old, ref=logp + ref, up_lp=up_lp, up_h=up_h, tau=tau)  # fmt: skip
 
 
 def _leaves(b, rows=slice(None)):
@@ -154,6 +155,10 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="grpo", entropy_coef=0.01)  # per-chunk merge
             _check_policy(b, rows, group, config="gspo", entropy_coef=0.01)  # sequence level
             _check_policy(b, rows, group, config="dapo", temperature=0.8, softcap=3.0)
+            # a per-token temperature (each chunk's rows of it, on every rank)
+            _check_logprobs(b, rows, group, temperature=b["tau"], softcap=2.0)
+            _check_policy(b, rows, group, config="grpo", entropy_coef=0.01, temperature=b["tau"])
+            _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
         _check_dtensor(b, world)
         start = sum(SHARDS[world][0][:rank])
         _check_bad_inputs(b, slice(start, start + SHARDS[world][0][rank]), group, rank)
