@@ -13,6 +13,12 @@ and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
   policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 32000 and 151936,
                   bf16
   fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16
+  packed          bench_packed.py: packed (cu_seqlens) vs padded batches at ~50 % padding, its
+                  defaults (CUDA S = 64, T = 2048, V = 151936, bf16; rows that do not fit are
+                  kept as out of memory); --quick: its --quick mode in fp32
+  vocab-parallel  bench_vocab_parallel.py: the vocab-parallel LM head over P = 2 processes vs the
+                  unsharded op (CPU: gloo processes; CUDA: NCCL, one device per rank, so on a
+                  one-GPU machine only the unsharded row runs and the summary says why)
   gae             bench_gae.py: B = 512, T = 8192 (on CUDA with --device cuda)
   sample          bench_sample.py: N = 256, V = 151936 (bf16 on CUDA)
   trl-step        bench_trl_step.py: one optimizer step of fastrl.integrations.trl.GRPOTrainer vs
@@ -26,16 +32,17 @@ Every benchmark writes <out>/<bench>_<device>.{json,csv,png} with the machine, v
 commit in its meta. Then <out>/summary.json and <out>/summary.md: per stage passed / failed /
 skipped and seconds, pytest's pass / fail / skip counts, the headline ratios read from the
 results files (fastrl vs trl-eager for the policy loss, x GEMM floor for the fused linear loss,
-speed-ups for gae, the sampler and the TRL step; % of the HBM roofline where the results carry
-it, i.e. the policy loss on CUDA) and which baselines ran or were skipped and why. Nothing in the
-summary is computed here beyond reading those files. Exit status 0 when no stage failed.
+packed vs padded time and peak memory, vocab-parallel vs unsharded time and peak memory per
+rank, speed-ups for gae, the sampler and the TRL step; % of the HBM roofline where the results
+carry it, i.e. the policy loss on CUDA) and which baselines ran or were skipped and why. Nothing
+in the summary is computed here beyond reading those files. Exit status 0 when no stage failed.
 
 Baselines whose package is missing (importlib.util.find_spec) are skipped and reported: liger
 (liger_kernel: --no-liger to both loss benchmarks), verl (--no-verl to the policy loss); trl is
-the baseline of the policy-loss, fused-linear and trl-step stages (and datasets of trl-step), so
-without it those stages are skipped. Installs nothing; needs no network. The full run's shapes
-and repetitions are chosen to fit in about 20 minutes on one H100 (an estimate: it has not run on
-a GPU yet); the stage timeouts total more (see --timeout).
+the baseline of the policy-loss, fused-linear, packed and trl-step stages (and datasets of
+trl-step), so without it those stages are skipped. Installs nothing; needs no network. The full
+run's shapes and repetitions are chosen to fit in about 20 minutes on one H100 (an estimate: it
+has not run on a GPU yet); the stage timeouts total more (see --timeout).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ PY = sys.executable
 BASELINES = {
     "liger": ("liger_kernel", "Liger-Kernel rows of policy-loss (CUDA only) and fused-linear"),
     "verl": ("verl", "the verl-eager row of policy-loss"),
-    "trl": ("trl", "the baseline of policy-loss, fused-linear and trl-step: those stages"),
+    "trl": ("trl", "the baseline of policy-loss, fused-linear, packed and trl-step: those stages"),
     "datasets": ("datasets", "trl-step (GRPOTrainer takes a datasets.Dataset)"),
 }
 STAGES = (
@@ -69,6 +76,8 @@ STAGES = (
     "compile-check",
     "policy-loss",
     "fused-linear",
+    "packed",
+    "vocab-parallel",
     "gae",
     "sample",
     "trl-step",
@@ -80,6 +89,8 @@ TIMEOUTS = {
     "compile-check": (600, 600),
     "policy-loss": (480, 240),
     "fused-linear": (360, 240),
+    "packed": (600, 180),
+    "vocab-parallel": (600, 180),
     "gae": (180, 120),
     "sample": (180, 120),
     "trl-step": (300, 180),
@@ -170,6 +181,19 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             s.cmd += ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16"]
             s.cmd += ["--warmup", "25", "--rep", "100"]
         s.cmd += no_liger
+    stages.append(s)
+
+    s = Stage("packed", results=[f"bench_packed_{dev}"])
+    if missing["trl"]:
+        s.why_skipped = f"its baseline trl-eager-padded needs trl ({missing['trl']})"
+    else:
+        s.cmd = [PY, str(BENCH / "bench_packed.py"), *common, "--no-progress", "--device", dev]
+        s.cmd += ["--quick", "--dtype", "fp32"] if quick else []
+    stages.append(s)
+
+    s = Stage("vocab-parallel", results=[f"bench_vocab_parallel_{dev}"])
+    s.cmd = [PY, str(BENCH / "bench_vocab_parallel.py"), *common, "--no-progress"]
+    s.cmd += ["--device", dev] + (["--quick"] if quick else [])
     stages.append(s)
 
     s = Stage("gae", results=[f"bench_gae_{dev}"])
@@ -346,6 +370,47 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
             case = f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}"
             add("fused-linear", case, f"{r['method']} x GEMM floor", r.get("x_gemm_floor"), "n/a",
                 path.name)  # fmt: skip
+    path = out / f"bench_packed_{dev}.json"
+    data = _load(path)
+    packed_rows = (data or {}).get("rows", [])
+    oom = {(r["method"], r["dtype"]) for r in packed_rows if r.get("oom")}
+    for r in packed_rows:
+        if r["layout"] == "packed" and r["family"] in ("fastrl", "fused-linear"):
+            padded = f"{r['family']}-padded"
+            case = (
+                f"S={r['S']} T={r['T']} N={r['N']} ({100 * r['pad_frac']:.0f}% pad) V={r['V']}"
+                + (f" H={r['H']}" if "H" in r else "")
+                + f" {r['dtype']}"
+            )
+            why = "".join(
+                f" ({m.split('-')[-1]}: out of memory)"
+                for m in (r["method"], padded)
+                if (m, r["dtype"]) in oom
+            )
+            add("packed", case, f"{r['method']} vs {padded} (fwd+bwd){why}",
+                r.get("speedup_packed_vs_padded"), "n/a", path.name)  # fmt: skip
+            add("packed", case, f"{r['method']} / {padded} peak memory{why}",
+                r.get("memory_packed_vs_padded"), "n/a", path.name)  # fmt: skip
+    path = out / f"bench_vocab_parallel_{dev}.json"
+    data = _load(path)
+    parallel = [r for r in (data or {}).get("rows", []) if r["method"] == "vocab-parallel"]
+    for r in parallel:
+        case = f"{r['op']}: N={r['N']} H={r['H']} V={r['V']} {r['dtype']}"
+        threads = "" if cuda else f", {r['threads']} thread(s) each"
+        add("vocab-parallel", case, f"P={r['P']} vs unsharded (fwd+bwd{threads})",
+            r.get("speedup_vs_unsharded"), "n/a", path.name)  # fmt: skip
+        if not cuda:
+            add("vocab-parallel", case, f"P={r['P']} vs unsharded on all {r['total_threads']} "
+                "threads (the same machine)", r.get("speedup_vs_unsharded_all_threads"), "n/a",
+                path.name)  # fmt: skip
+        add("vocab-parallel", case, f"P={r['P']} peak memory per rank / unsharded",
+            r.get("memory_vs_unsharded"), "n/a", path.name)  # fmt: skip
+    if data and not parallel:  # e.g. one CUDA device: the notes say why
+        shape = data["meta"].get("shape", {})
+        case = ", ".join(f"{k}={v}" for k, v in shape.items())
+        notes = data["meta"].get("notes") or {"vocab-parallel": "no vocab-parallel row"}
+        for why in notes.values():
+            add("vocab-parallel", case, why, None, "n/a", path.name)
     for bench, stem, method, key in [
         ("gae", "bench_gae", "fastrl.gae", "speedup_vs_loop"),
         ("sample", "bench_sample", "fastrl.sample", "speedup_vs_baseline"),
@@ -378,8 +443,10 @@ def baseline_report(out: Path, cuda: bool, missing: dict[str, str | None]) -> di
     dev = "cuda" if cuda else "cpu"
     pl = _load(out / f"bench_policy_loss_{dev}.json") or {}
     fl = _load(out / f"bench_fused_linear_{dev}.json") or {}
+    pk = _load(out / f"bench_packed_{dev}.json") or {}
     pl_rows = {r["method"] for r in pl.get("rows", [])}
     fl_rows = {r["method"] for r in fl.get("rows", [])}
+    pk_rows = {r["method"] for r in pk.get("rows", [])}
     notes = {**(pl.get("meta", {}).get("notes") or {}), **(fl.get("meta", {}).get("notes") or {})}
 
     def status(row, rows, present, why_missing, extra=""):
@@ -407,6 +474,7 @@ def baseline_report(out: Path, cuda: bool, missing: dict[str, str | None]) -> di
         "liger-fused-linear (fused-linear)": status(
             "liger-fused-linear", fl_rows, bool(fl), missing["liger"]
         ),
+        "trl-eager-padded (packed)": status("trl-eager-padded", pk_rows, bool(pk), missing["trl"]),
     }
 
 
@@ -603,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="CPU smoke run: the benchmarks' --quick modes / small shapes, fp32, a tiny TRL "
-        "step; pytest -m gpu and the compile check as they are (about 2.5 minutes on 2 cores)",
+        "step; pytest -m gpu and the compile check as they are (about 3 minutes on 2 cores)",
     )
     p.add_argument(
         "--readme",

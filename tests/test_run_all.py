@@ -1,4 +1,4 @@
-"""benchmarks/run_all.py, the one command of the GPU run, in its --quick CPU mode (about 2-3
+"""benchmarks/run_all.py, the one command of the GPU run, in its --quick CPU mode (about 3-4
 minutes): every stage runs and is reported, the summary files carry per-stage status, pytest's
 counts and the headline ratios read from the results files, the results files carry the machine,
 versions and commit, a hidden baseline package is reported as skipped (--skip liger), a stage
@@ -17,7 +17,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_all.py"
-BENCH_STAGES = ["policy-loss", "fused-linear", "gae", "sample", "trl-step"]
+BENCH_STAGES = [
+    "policy-loss",
+    "fused-linear",
+    "packed",
+    "vocab-parallel",
+    "gae",
+    "sample",
+    "trl-step",
+]
 
 
 def _env() -> dict:
@@ -83,10 +91,25 @@ def test_pytest_counts_and_compile_check(run):
 def test_headline_ratios_are_read_from_the_results(run):
     _, out, summary, _ = run
     heads = summary["headlines"]
-    assert {h["bench"] for h in heads} == {"policy-loss", "fused-linear", "sample", "trl-step"}
+    assert {h["bench"] for h in heads} == {
+        "policy-loss",
+        "fused-linear",
+        "packed",
+        "vocab-parallel",
+        "sample",
+        "trl-step",
+    }
     for h in heads:
         assert h["this_run"], h
         rows = json.loads((out / h["file"]).read_text())["rows"]
+        if h["bench"] == "packed":
+            method = h["what"].split(" ")[0]
+            assert method in ("fastrl-packed", "fused-linear-packed"), h
+            row = next(r for r in rows if r["method"] == method and r["dtype"] == "fp32")
+            if "peak memory" in h["what"]:  # quick: RSS of tiny tensors, maybe 0 (then n/a)
+                assert h["value"] == row["memory_packed_vs_padded"]
+                continue
+            assert h["value"] == row["speedup_packed_vs_padded"]
         assert h["value"] is not None and h["value"] > 0
         if h["bench"] == "policy-loss":
             method = h["what"].split(" vs ")[0]
@@ -96,17 +119,40 @@ def test_headline_ratios_are_read_from_the_results(run):
         if h["bench"] == "fused-linear":
             method = h["what"].split(" x ")[0]
             assert h["value"] == next(r for r in rows if r["method"] == method)["x_gemm_floor"]
+        if h["bench"] == "vocab-parallel":
+            op = h["case"].split(":")[0]
+            row = next(r for r in rows if r["method"] == "vocab-parallel" and r["op"] == op)
+            assert h["what"].startswith("P=2 ") and row["P"] == 2
+            key = (
+                "memory_vs_unsharded"
+                if "peak memory per rank" in h["what"]
+                else "speedup_vs_unsharded_all_threads"
+                if "same machine" in h["what"]
+                else "speedup_vs_unsharded"
+            )
+            assert h["value"] == row[key]
+            assert row["loss_rel_diff_vs_unsharded"] < 1e-5
         if h["bench"] == "trl-step" and h["what"].startswith("fastrl"):
             fastrl = next(r for r in rows if r["role"] == "fastrl")
             assert h["value"] == fastrl["speedup_step_vs_trl"]
+    ops = {h["case"].split(":")[0] for h in heads if h["bench"] == "vocab-parallel"}
+    assert ops == {"policy-loss", "logprobs"}
+    assert sum(h["bench"] == "vocab-parallel" for h in heads) == 6  # 3 ratios per op
+    packed = {h["what"] for h in heads if h["bench"] == "packed"}
+    assert "fastrl-packed vs fastrl-padded (fwd+bwd)" in packed
+    assert "fastrl-packed / fastrl-padded peak memory" in packed
     md = (out / "summary.md").read_text()
     assert "## Headline ratios" in md and "fastrl vs trl-eager" in md and "x GEMM floor" in md
+    assert "fastrl-packed vs fastrl-padded" in md and "P=2 vs unsharded" in md
 
 
 def test_results_files_carry_device_versions_commit(run):
     _, out, summary, _ = run
     files = {f["file"]: f for f in summary["results_files"]}
-    expected = {f"bench_{b}_cpu.json" for b in ("policy_loss", "fused_linear", "sample")}
+    expected = {
+        f"bench_{b}_cpu.json"
+        for b in ("policy_loss", "fused_linear", "packed", "vocab_parallel", "sample")
+    }
     assert expected | {"bench_trl_step_cpu.json"} <= set(files)
     for name, f in files.items():
         meta = json.loads((out / name).read_text())["meta"]
@@ -124,6 +170,7 @@ def test_a_hidden_baseline_is_reported_as_skipped(run):
     assert base["liger-fused-linear (fused-linear)"] == "skipped: hidden with --skip"
     assert base["trl-chunked (fused-linear)"] == "ran"
     assert base["trl-eager (policy-loss)"] == "ran"
+    assert base["trl-eager-padded (packed)"] == "ran"
     rows = json.loads((out / "bench_fused_linear_cpu.json").read_text())["rows"]
     assert "liger-fused-linear" not in {r["method"] for r in rows}
     cmd = next(s for s in summary["stages"] if s["name"] == "fused-linear")["command"]
