@@ -43,6 +43,7 @@ torch.compile graph-breaks around it (`fullgraph=True` raises).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +73,10 @@ from .terms import aggregation_weights, is_token_separable
 
 # --------------------------------------------------------------------------- DTensor and the plan
 def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    """Whether `t` is a DTensor. A DTensor exists only once torch.distributed.tensor has been
+    imported, so this never imports it (that costs seconds on a plain single-device call)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _local_shard(name: str, t, mesh=None):
