@@ -16,7 +16,8 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
   with g = dL/dlogp and h = dL/dH of that row (computed by autograd from the O(N) per-token
   terms). A row with g = h = 0 (a masked token) writes zeros without reading its logits.
-* `_scale_grad_kernel`: grad *= the upstream gradient, skipped on the device when it is 1.
+* `_scale_grad_kernel` (kernels/scale.py, re-exported here): grad *= the upstream gradient,
+  skipped on the device when it is 1.
 
 So the forward + backward of the loss reads the logits twice and writes the gradient once; the
 per-token terms in between are O(N) torch math (fastrl/losses.py).
@@ -46,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchConfig, Ptr, cdiv, config, next_power_of_2
+from .launch import LaunchConfig, Ptr, config, next_power_of_2
+from .scale import _scale_grad_kernel, scale_, scale_configs  # noqa: F401 (backend interface)
 from .softmax import (
     _SPLIT_SM_COUNT,
     _lse_finish,
@@ -263,29 +265,8 @@ def _token_stats_bwd_kernel(
             tl.store(out_ptr + offs, d.to(grad_ptr.dtype.element_ty), mask=valid)
 
 
-# --------------------------------------------------------------------------- upstream scale
-@triton.jit
-def _scale_grad_kernel(
-    grad_ptr,  # (R, C) rows of a gradient, any dtype, stride over C is 1; scaled in place
-    scale_ptr,  # (1,) the upstream gradient dL_total / dloss (any float dtype)
-    C,
-    stride_grad_r,
-    BLOCK: tl.constexpr,
-):
-    # grid (R, cdiv(C, BLOCK)): grad *= scale. A scale of exactly 1 (loss.backward()) returns
-    # before touching the row: the only cost is the launch, and the host never reads the scale.
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ptrs = grad_ptr + row * stride_grad_r + offs
-        x = tl.load(ptrs, mask=offs < C, other=0.0).to(tl.float32)
-        tl.store(ptrs, (x * scale).to(grad_ptr.dtype.element_ty), mask=offs < C)
-
-
 # --------------------------------------------------------------------------- launch configurations
 _F32 = torch.float32
-_SCALE_BLOCK = 4096  # elements of a gradient row per _scale_grad_kernel program
 
 
 def _launch_config(V: int, elem_size: int) -> tuple[int, int]:
@@ -382,17 +363,6 @@ def row_grad_configs(
     }  # fmt: skip
     flags = {"ROW_TEMP": bool(row_temp), "HAS_GRAD_ENTROPY": bool(has_grad_entropy)}
     return (config(_token_stats_bwd_kernel, (N,), num_warps, args, **flags, BLOCK_V=block),)
-
-
-@functools.lru_cache(maxsize=64)
-def scale_configs(
-    R: int, C: int, dtype: torch.dtype, scale_dtype: torch.dtype = _F32
-) -> tuple[LaunchConfig, ...]:
-    """The launch of `scale_` on R rows of C elements of `dtype` (a contiguous (R, C) example)
-    scaled by a one-element `scale_dtype` tensor."""
-    args = {"grad_ptr": Ptr(dtype), "scale_ptr": Ptr(scale_dtype), "C": C, "stride_grad_r": C}
-    grid = (R, cdiv(C, _SCALE_BLOCK))
-    return (config(_scale_grad_kernel, grid, 4, args, BLOCK=_SCALE_BLOCK),)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -496,26 +466,3 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None):
     g, h = grad_fn(logp, entropy)
     row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
     return logp, entropy
-
-
-def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """grad *= scale in place, without a host sync and without a pass when scale == 1.
-
-    grad: any shape whose last dim has stride 1 and whose leading dims flatten to rows of equal
-    stride (a contiguous tensor, or (B, T, V) logits views with (B, T) flattening), else it is
-    processed per leading index. scale: a one-element tensor on grad's device."""
-    if grad.numel() == 0:
-        return grad
-    g = grad if grad.dim() >= 2 else grad.view(1, -1)
-    if g.dim() > 2:
-        try:
-            g = g.view(-1, g.shape[-1])
-        except RuntimeError:  # (B, T) do not flatten (a sliced view): one launch per b
-            for sub in g.unbind(0):
-                scale_(sub, scale)
-            return grad
-    R, C = g.shape
-    assert C == 1 or g.stride(1) == 1
-    (cfg,) = scale_configs(R, C, g.dtype, scale.dtype)
-    cfg(g, scale.reshape(1), C, g.stride(0))
-    return grad
