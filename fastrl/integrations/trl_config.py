@@ -1,0 +1,134 @@
+"""TRL's GRPOConfig as a fastrl LossConfig (`loss_config_from_trl`), importable without TRL.
+
+Which TRL loss type is which SPEC policy and aggregation, how TRL's clip / delta / KL / vLLM
+importance-sampling options map, and the options SPEC cannot express (a ValueError naming the
+TRL option). `fastrl.integrations.trl` re-exports it beside the drop-in GRPOTrainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import LossConfig
+
+# TRL loss_type -> (policy, agg)
+_LOSS_TYPES = {
+    "grpo": ("ppo", "seq-mean-token-mean"),
+    "bnpo": ("ppo", "token-mean"),
+    "dr_grpo": ("ppo", "seq-mean-token-sum-norm"),
+    "dapo": ("ppo", "token-mean"),
+    "luspo": ("ppo", "seq-mean-token-sum"),
+    "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+}
+# loss types whose loss TRL divides by the gradient-accumulation steps (the others are already
+# normalised by the accumulation window's token count)
+_PER_STEP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "sapo", "luspo")
+_VLLM_IS_MODES = {
+    "token_truncate": ("token", "truncate"),
+    "token_mask": ("token", "mask"),
+    "sequence_truncate": ("sequence", "truncate"),
+    "sequence_mask": ("sequence", "mask"),
+}
+
+
+def _unsupported(option: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"TRL option {option}={value!r} has no fastrl equivalent: {why}")
+
+
+def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
+    """LossConfig equal to TRL's GRPO loss for `args` (a trl.GRPOConfig, or any object with its
+    fields); `overrides` are LossConfig fields applied last. Passing `entropy_coef` as an
+    override means the caller handles TRL's entropy bonus (then TRL's own is not checked)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    loss_type = get("loss_type", "dapo")
+    if loss_type not in _LOSS_TYPES:
+        raise _unsupported("loss_type", loss_type, f"supported: {sorted(_LOSS_TYPES)}")
+    if get("off_policy_mask_threshold") is not None:
+        raise _unsupported(
+            "off_policy_mask_threshold",
+            get("off_policy_mask_threshold"),
+            "SPEC has no off-policy sequence mask (DeepSeek-V3.2's KL-thresholded drop)",
+        )
+    if (get("top_entropy_quantile", 1.0) or 1.0) < 1.0:
+        raise _unsupported(
+            "top_entropy_quantile",
+            get("top_entropy_quantile"),
+            "SPEC has no entropy-quantile token mask (it needs a global quantile)",
+        )
+    policy, agg = _LOSS_TYPES[loss_type]
+    eps_low = get("epsilon", 0.2)
+    eps_high = get("epsilon_high") if get("epsilon_high") is not None else eps_low
+    level = get("importance_sampling_level", "token")
+    beta = float(get("beta", 0.0) or 0.0)
+    bias_correction = bool(get("use_bias_correction_kl", False)) and beta > 0
+    fields: dict[str, Any] = dict(
+        policy=policy,
+        agg=agg,
+        ratio_level=level,
+        kl_coef=beta,
+        kl_estimator="k3",
+        kl_bias_correction=bias_correction,
+        # TRL multiplies the KL by `coef_1`, the ratio of importance_sampling_level
+        kl_bias_ratio=level,
+        temperature=float(get("temperature", 1.0)),
+        # TRL applies `delta` (two-sided clipping) to the PPO-style losses only; cispo / sapo
+        # ignore it there, so they do here
+        clip_delta=get("delta") if policy == "ppo" else None,
+        sapo_tau_pos=float(get("sapo_temperature_pos", 1.0)),
+        sapo_tau_neg=float(get("sapo_temperature_neg", 1.05)),
+    )
+    if "entropy_coef" not in overrides:
+        entropy_coef = float(get("entropy_coef", 0.0) or 0.0)
+        if get("use_adaptive_entropy", False):
+            raise _unsupported(
+                "use_adaptive_entropy",
+                True,
+                "the coefficient changes during training; use fastrl.integrations.trl."
+                "GRPOTrainer, which applies TRL's adaptive bonus",
+            )
+        if entropy_coef != 0 and loss_type != "bnpo":
+            raise _unsupported(
+                "entropy_coef",
+                entropy_coef,
+                f"TRL subtracts entropy_coef times the local token-mean entropy, while "
+                f"loss_type={loss_type!r} normalises the policy term with agg={agg!r}; they "
+                f"agree for loss_type='bnpo' only (fastrl.integrations.trl.GRPOTrainer adds "
+                f"TRL's bonus itself)",
+            )
+        fields["entropy_coef"] = entropy_coef
+    if loss_type == "cispo":  # TRL caps the ratio at epsilon_high itself: clip(r, 0, eps_high)
+        if eps_high < 1:
+            raise _unsupported(
+                "epsilon_high", eps_high, "CISPO caps the ratio at epsilon_high, which must be >= 1"
+            )
+        fields.update(clip_low=1.0, clip_high=eps_high - 1.0)
+    else:
+        fields.update(clip_low=eps_low, clip_high=eps_high)
+    delta = fields["clip_delta"]
+    if delta is not None and not (isinstance(delta, (int, float)) and delta > 1 + eps_high):
+        raise ValueError(
+            f"TRL option delta={delta!r} must be > 1 + epsilon_high = {1 + eps_high} (the "
+            "two-sided bound caps the ratio above the clip range), or None"
+        )
+    if loss_type == "dr_grpo":
+        fields["max_len"] = int(get("max_completion_length"))
+    if get("use_vllm", False) and get("vllm_importance_sampling_correction", False):
+        mode = get("vllm_importance_sampling_mode")
+        if mode not in _VLLM_IS_MODES:
+            raise _unsupported("vllm_importance_sampling_mode", mode, f"{sorted(_VLLM_IS_MODES)}")
+        cap = get("vllm_importance_sampling_clip_max")
+        if cap is None:
+            raise _unsupported(
+                "vllm_importance_sampling_clip_max", None, "SPEC 3 needs an upper bound"
+            )
+        floor = get("vllm_importance_sampling_clip_min")
+        level_is, mode_is = _VLLM_IS_MODES[mode]
+        fields.update(
+            rollout_is=level_is,
+            rollout_is_mode=mode_is,
+            rollout_is_cap=float(cap),
+            rollout_is_floor=None if floor is None else float(floor),
+        )
+    fields.update(overrides)
+    return LossConfig().replace(**fields)
