@@ -2,6 +2,14 @@
 
     python benchmarks/bench_learning.py                      # ppo grpo dapo, 2 seeds, 120 s each
     python benchmarks/bench_learning.py --budget 10 --quick  # smoke test (tiny model, seconds)
+    python benchmarks/bench_learning.py --vs-trl             # TRL GRPOTrainer vs fastrl train
+    python benchmarks/bench_learning.py --vs-trl --quick     # its smoke test (< 60 s)
+
+`--vs-trl` (benchmarks/_trl_learning.py, whose docstring says how): TRL's stock GRPOTrainer and
+`fastrl train` back to back from the same warm-started local model on the same JSONL task,
+reward, held-out greedy eval and settings; steps and training seconds to eval accuracy 0.5 / 0.8
+/ 0.9 per seed and their mean, in benchmarks/results/learning_vs_trl.json / .png / .md
+(`--ablate`: plus fastrl runs with one default changed to TRL's value).
 
 1. Warm start (once): the embedded model of `fastrl train` gets its supervised warm-up on the
    task's sloppy teacher (`--sft-steps`, 1000 by default: the default run's starting point, greedy
@@ -32,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _trl_learning  # noqa: E402
 from _common import RESULTS_DIR, device_info  # noqa: E402
 
 QUICK = ["--model-hidden", "32", "--model-layers", "1", "--batch-size", "4", "--group-size", "4"]
@@ -166,7 +175,13 @@ def main() -> None:
     p.add_argument("--extra", default="", help="more `fastrl train` options for every run")
     p.add_argument("--quick", action="store_true", help="tiny model and batch (smoke test)")
     p.add_argument("--out", default=str(RESULTS_DIR), help="where learning.json / .png go")
+    _trl_learning.add_args(p)
     args = p.parse_args()
+    if args.vs_trl:
+        if "--budget" not in sys.argv:
+            args.budget = 90.0  # --vs-trl: training seconds per run (a run stops at --stop-at)
+        _trl_learning.main(args)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = device_info("cpu")

@@ -179,3 +179,45 @@ def test_report_marks_a_table_older_than_its_code():
     assert dirty.startswith("(recorded at commit") and "uncommitted" in dirty
     unknown = report.staleness("bench_gae_cpu", {"git_commit": "0" * 40})
     assert unknown.startswith("**Stale?**")
+
+
+def test_learning_vs_trl_quick(tmp_path):
+    """bench_learning.py --vs-trl --quick: TRL's GRPOTrainer and `fastrl train` from the same
+    warm start (tiny steps), and the results file holds every field the README table needs."""
+    pytest.importorskip("trl")
+    pytest.importorskip("matplotlib")
+    _run("bench_learning.py", "--vs-trl", "--quick", "--out", str(tmp_path), timeout=300)
+    data = _load(tmp_path / "learning_vs_trl.json")
+    assert data["thresholds"] == [0.5, 0.8, 0.9]
+    assert set(data["runs"]) == {"trl", "fastrl"} == set(data["summary"])
+    assert data["versions"]["trl"] and data["git_commit"] and data["machine"]["cpu"]
+    s = data["settings"]
+    assert s["completions_per_step"] == s["group_size"] * s["batch_prompts"]
+    assert 0.0 <= data["warm_start_acc"] <= 1.0 and data["model"]["params"] > 0
+    seeds = [str(x) for x in data["seeds"]]
+    for name, by_seed in data["runs"].items():
+        assert list(by_seed) == seeds
+        for r in by_seed.values():
+            assert r["steps"] >= 1 and r["command"]
+            evals = r["evals"]
+            assert evals[0]["step"] == 0 and evals[0]["acc"] == pytest.approx(
+                data["warm_start_acc"]
+            )  # both trainers start from the same model and evaluate alike
+            assert [e["step"] for e in evals] == sorted(e["step"] for e in evals)
+            assert all(0.0 <= e["acc"] <= 1.0 and e["train_s"] >= 0 for e in evals)
+            assert set(r["reached"]) == {"0.5", "0.8", "0.9"}
+        for thr in ("0.5", "0.8", "0.9"):
+            agg = data["summary"][name][thr]
+            assert set(agg["per_seed"]) == set(seeds)
+            if all(agg["per_seed"].values()):
+                steps = [p["step"] for p in agg["per_seed"].values()]
+                assert agg["steps_mean"] == pytest.approx(sum(steps) / len(steps))
+            else:
+                assert agg["steps_mean"] is None
+    assert all(r["command"].startswith("fastrl train ") for r in data["runs"]["fastrl"].values())
+    assert all("trl.GRPOTrainer" in r["command"] for r in data["runs"]["trl"].values())
+    assert (
+        "| trainer | seed | to 0.5 | to 0.8 | to 0.9 |"
+        in (tmp_path / "learning_vs_trl.md").read_text()
+    )
+    assert (tmp_path / "learning_vs_trl.png").stat().st_size > 0
