@@ -713,7 +713,13 @@ def plot(summary: dict, png: Path) -> None:
             x, y = grid, np.mean(ys, 0)
             if len(y) >= 5:  # a 5-eval moving average
                 x, y = grid[2:-2], np.convolve(y, np.ones(5) / 5, mode="valid")
-            ax.plot(x, y, color=f"C{i}", lw=2.4 if i < 2 else 1.3, label=name)
+            color = (
+                f"C{i}"
+                if i < 2
+                else plt.cm.tab20([4, 6, 8, 10, 12, 14, 16, 18, 5, 9][(i - 2) % 10])
+            )
+            ls = "--" if name.startswith("TRL +") else "-"  # TRL variants dashed
+            ax.plot(x, y, color=color, ls=ls, lw=2.4 if i < 2 else 1.3, label=name)
         labels.append(f"step (ablation: mean of seeds, 5-eval moving average, {h} steps)")
     for ax, label in zip(axes, labels):
         for x in THRESHOLDS:
