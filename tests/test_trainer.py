@@ -81,42 +81,48 @@ def _update_once(algo: str, grad_accum: int, **kw) -> dict:
 
 
 WORKER = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
 from test_trainer import _update_once
-out = _update_once({algo!r}, 1)
-if int(__import__("os").environ["RANK"]) == 0:  # the process group is closed by now
+out = _update_once({algo!r}, 1, **{kw!r})
+if int(os.environ["RANK"]) == 0:  # the process group is closed by now
     with open({path!r}, "w") as f:
         json.dump(out, f)
+sys.stdout.flush()
+sys.stderr.flush()
+# skip interpreter finalisation: gloo's worker threads can still hold tensors then, and their
+# release at teardown aborts the process now and then ("terminate called without an active
+# exception", a known torch issue); the result is written and the process group closed
+os._exit(0)
 """
+
+
+def torchrun(args, tmp_path, timeout=300):
+    """`torchrun --standalone --nproc_per_node 2 ARGS` in tmp_path, 1 thread per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*cmd, *args], env=env, timeout=timeout, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def update_two_ranks(algo: str, tmp_path, **kw) -> dict:
+    """`_update_once(algo, 1, **kw)` on 2 torchrun ranks; rank 0's result."""
+    script, path = tmp_path / "worker.py", tmp_path / "out.json"
+    tests = os.path.dirname(__file__)
+    script.write_text(WORKER.format(tests=tests, algo=algo, path=str(path), kw=kw))
+    torchrun([str(script)], tmp_path)
+    return json.loads(path.read_text())
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "ppo"])
 def test_two_process_gloo_equals_one_process(algo, tmp_path):
     one = _update_once(algo, 2)  # one process, 2 micro-batches
-    script = tmp_path / "worker.py"
-    path = tmp_path / "out.json"
-    script.write_text(WORKER.format(tests=os.path.dirname(__file__), algo=algo, path=str(path)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-        ],
-        env=env,
-        timeout=240,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = json.loads(path.read_text())  # 2 gloo processes, 1 micro-batch each
+    two = update_two_ranks(algo, tmp_path)  # 2 gloo processes, 1 micro-batch each
     assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7)
     assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)
     assert one["entropy"] == pytest.approx(two["entropy"], rel=1e-5)

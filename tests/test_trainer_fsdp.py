@@ -3,44 +3,16 @@ fixed batch gives the same loss, metrics and weights as one process without shar
 run of each algorithm trains, checkpoints and exports a Hugging Face model that loads."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_trainer import _update_once
-
-WORKER = """
-import json, os, sys
-sys.path.insert(0, {tests!r})
-import torch
-torch.set_num_threads(1)
-from test_trainer import _update_once
-out = _update_once({algo!r}, 1, fsdp=True)
-if int(os.environ["RANK"]) == 0:
-    with open({path!r}, "w") as f:
-        json.dump(out, f)
-"""
-
-
-def torchrun(args, tmp_path, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*cmd, *args], env=env, timeout=timeout, capture_output=True, text=True, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+from test_trainer import _update_once, torchrun, update_two_ranks
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_fsdp_two_processes_equal_one_process(algo, tmp_path):
     one = _update_once(algo, 2)  # one process, no sharding, 2 micro-batches
-    script, path = tmp_path / "worker.py", tmp_path / "out.json"
-    script.write_text(WORKER.format(tests=os.path.dirname(__file__), algo=algo, path=str(path)))
-    torchrun([str(script)], tmp_path)
-    two = json.loads(path.read_text())  # 2 ranks, FSDP2 shards, 1 micro-batch each
+    two = update_two_ranks(algo, tmp_path, fsdp=True)  # 2 ranks, FSDP2 shards, 1 micro-batch each
     # the sharded run's LM head goes through fastrl's fused linear path, the other through logits
     assert two["fused_lm_head"] and not one["fused_lm_head"]
     for key in ("loss", "entropy", "kl", "approx_kl", "clipfrac_low", "clipfrac_high"):
