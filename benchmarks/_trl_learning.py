@@ -17,13 +17,15 @@ warm start, on the same JSONL task, reward, eval and settings, back to back.
    trainers start from that Hugging Face export (`--sft-steps 0` for fastrl).
 3. Each seed, back to back, one run at a time: TRL `trl.GRPOTrainer` (stock) in a child
    process, then `fastrl train` (`python -m fastrl.cli train`) in a child process. The same G
-   (8), prompts per step (32: 256 completions), lr (1e-3 constant, no warm-up on both),
-   completion length (6), temperature (1, no top-k / top-p), no KL, one optimizer step per
-   rollout batch (TRL: gradient_accumulation_steps = steps_per_generation = num_iterations =
-   1; fastrl: --minibatches 1 --epochs 1), fp32, 1 torch thread each (fastrl's own choice for
-   a model this small). Everything else is each trainer's default: TRL `loss_type="dapo"`,
-   fastrl `--algo grpo` (with `--kl-coef 0`); TRL's gradient checkpointing is turned off
-   (its default is on; fastrl's off) so that both do the same compute.
+   (8), prompts per step (32: 256 completions), peak lr (1e-3), steps (`--max-steps`, the
+   horizon of both trainers' default linear lr decay), completion length (6), temperature (1,
+   no top-k / top-p), no KL, one optimizer step per rollout batch (TRL:
+   gradient_accumulation_steps = steps_per_generation = num_iterations = 1; fastrl's
+   defaults for grpo), fp32, 1 torch thread each (fastrl's own choice for a model this small).
+   Everything else is each trainer's default: TRL `loss_type="dapo"`, no warm-up, linear lr
+   decay; fastrl `--algo grpo` (with `--kl-coef 0`), 5 warm-up steps, linear lr decay; TRL's
+   gradient checkpointing is turned off (its default is on; fastrl's off) so that both do the
+   same compute.
 4. Eval: fastrl's greedy evaluation (greedy decoding with fastrl's sampler, exact match) on the
    held-out pairs every `--eval-every` steps: fastrl's own `--eval-file` eval, and for TRL the
    same generate + reward (`greedy_accuracy`) from a TrainerCallback. Both start from the same
@@ -32,7 +34,8 @@ warm start, on the same JSONL task, reward, eval and settings, back to back.
    on_step_begin -> on_step_end); evaluations, logging and checkpoints are not counted. A run
    stops after `--budget` training seconds or once it reaches `--stop-at` (fastrl: SIGTERM
    from this process, after which fastrl finishes the step and exits).
-5. benchmarks/results/learning_vs_trl.json (every eval point of every run, steps and seconds
+5. benchmarks/results/learning_vs_trl.json (learning_vs_trl_TASK.json for another --trl-task;
+   every eval point of every run, steps and seconds
    to each threshold per seed and their mean, settings, machine, versions, command lines),
    .png (accuracy against training seconds and against steps) and .md (the tables).
 
@@ -66,45 +69,36 @@ sys.path.insert(0, str(HERE))
 THRESHOLDS = (0.5, 0.8, 0.9)
 TASKS = {"add": 49, "add_small": 9, "add19": 19}  # largest operand of each pair task
 
-# --ablate: runs that each change one setting of one trainer to the other trainer's value.
-# The base fastrl run already has --minibatches 1 (one optimizer step per rollout batch, as TRL
-# with steps_per_generation = 1) and --warmup-steps 0, constant lr (both).
+# --ablate: runs that each change one setting of one trainer to the other trainer's value, or
+# to fastrl's defaults before they changed (2 minibatches, constant lr).
 #   name: (trainer, fastrl CLI options, fastrl monkeypatches, GRPOConfig overrides)
 TOKEN_MEAN = ["--loss", "dapo", "--clip-high", "0.2"]
 ABLATIONS = {
     "fastrl + token-mean loss": ("fastrl", TOKEN_MEAN, [], {}),
     "fastrl + AdamW betas (0.9, 0.999)": ("fastrl", [], ["betas"], {}),
     "fastrl + prompts without replacement": ("fastrl", [], ["epoch_sampler"], {}),
-    "fastrl + all of TRL's": ("fastrl", TOKEN_MEAN, ["betas", "adv_eps", "epoch_sampler"], {}),
-    "TRL + loss_type grpo": ("trl", [], [], {"loss_type": "grpo"}),
-    "TRL + AdamW betas (0.9, 0.99)": ("trl", [], [], {"adam_beta2": 0.99}),
-    "fastrl defaults (2 minibatches, 5 warm-up steps)": (
+    "fastrl + all of TRL's": (
         "fastrl",
-        ["--minibatches", "2", "--warmup-steps", "5"],
-        [],
+        [*TOKEN_MEAN, "--warmup-steps", "0"],
+        ["betas", "adv_eps", "epoch_sampler"],
         {},
     ),
     "fastrl + adv std eps 1e-4": ("fastrl", [], ["adv_eps"], {}),
-    "fastrl + 2 minibatches (its default)": ("fastrl", ["--minibatches", "2"], [], {}),
-    "TRL + linear lr decay (its default)": ("trl", [], [], {"lr_scheduler_type": "linear"}),
+    "fastrl + no warm-up (TRL's)": ("fastrl", ["--warmup-steps", "0"], [], {}),
+    "fastrl + 2 minibatches (its old default)": ("fastrl", ["--minibatches", "2"], [], {}),
+    "fastrl + constant lr (its old default)": ("fastrl", ["--lr-schedule", "constant"], [], {}),
     "fastrl + k3 KL 0.04 (its grpo default)": ("fastrl", ["--kl-coef", "0.04"], [], {}),
-    "fastrl + linear lr decay (--lr-schedule linear)": (
-        "fastrl",
-        ["--lr-schedule", "linear"],
-        [],
-        {},
-    ),
+    "TRL + loss_type grpo": ("trl", [], [], {"loss_type": "grpo"}),
+    "TRL + AdamW betas (0.9, 0.99)": ("trl", [], [], {"adam_beta2": 0.99}),
+    "TRL + constant lr": ("trl", [], [], {"lr_scheduler_type": "constant"}),
 }
 DEFAULT_ABLATIONS = [
     "fastrl + all of TRL's",
-    "fastrl + prompts without replacement",
-    "fastrl + AdamW betas (0.9, 0.999)",
-    "TRL + AdamW betas (0.9, 0.99)",
-    "fastrl defaults (2 minibatches, 5 warm-up steps)",
-    "fastrl + 2 minibatches (its default)",
-    "TRL + linear lr decay (its default)",
+    "fastrl + no warm-up (TRL's)",
+    "fastrl + 2 minibatches (its old default)",
+    "fastrl + constant lr (its old default)",
+    "TRL + constant lr",
     "fastrl + k3 KL 0.04 (its grpo default)",
-    "fastrl + linear lr decay (--lr-schedule linear)",
 ]
 
 
@@ -376,8 +370,8 @@ def trl_config(s: dict, seed: int, overrides: dict) -> dict:
         gradient_checkpointing=False,  # TRL's default is True; fastrl's is False
         seed=seed,
         learning_rate=s["lr"],
-        lr_scheduler_type="constant",  # TRL's default: linear decay to 0 at max_steps
-        warmup_steps=0,
+        lr_scheduler_type="linear",  # TRL's default: linear decay to 0 at max_steps
+        warmup_steps=0,  # TRL's default
         per_device_train_batch_size=s["completions_per_step"],
         gradient_accumulation_steps=1,  # -> steps_per_generation 1: one AdamW step per batch
         num_generations=s["group_size"],
@@ -410,14 +404,14 @@ def _fail(what: str, log: Path, rc: int):
 
 def fastrl_argv(args, task: dict, model: Path, seed: int, out: Path, extra: list[str]) -> list:
     """`fastrl train` options of a run: the settings of `settings()`, the rest fastrl's defaults
-    (--algo grpo: group advantages, its loss preset; no KL as in TRL's beta = 0)."""
+    (--algo grpo: group advantages, its loss preset, one minibatch, 5 warm-up steps, linear lr
+    decay to 0 at --steps; no KL as in TRL's beta = 0)."""
     return [
         "train", "--algo", "grpo", "--kl-coef", "0", "--seed", str(seed),
         "--model", str(model), "--task", task["train"], "--eval-file", task["eval"],
         "--eval-size", str(task["n_eval"]), "--sft-steps", "0",
         "--batch-size", str(args.batch_prompts), "--group-size", str(args.group_size),
-        "--lr", str(args.lr), "--lr-schedule", "constant", "--warmup-steps", "0",
-        "--minibatches", "1", "--epochs", "1", "--grad-accum", "1",
+        "--lr", str(args.lr),
         "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
         "--steps", str(args.max_steps), "--max-time", str(round(3 * args.budget + 60)),  # cap
         "--eval-every", str(args.eval_every), "--save-every", "0",
@@ -528,7 +522,8 @@ def settings(args) -> dict:
         "batch_prompts": args.batch_prompts,
         "completions_per_step": args.group_size * args.batch_prompts,
         "lr": args.lr,
-        "lr_schedule": "constant, no warm-up",
+        "lr_schedule": "each trainer's default: linear decay to 0 at max_steps (TRL: no "
+        "warm-up; fastrl: 5 warm-up steps)",
         "max_new_tokens": args.max_new_tokens,
         "temperature": 1.0,
         "kl": 0.0,
@@ -625,7 +620,8 @@ def table(summary: dict) -> str:
         f"eval, exact-match reward): a {summary['model']['params'] / 1e3:.0f}k-parameter Llama "
         f"warm-started by fastrl's supervised warm-up ({w['sft_steps']} steps, teacher noise "
         f"{w['noise']:g}) to {summary['warm_start_acc']:.2f}; G = {s['group_size']}, "
-        f"{s['completions_per_step']} completions per step, lr {s['lr']:g} constant, no KL, one "
+        f"{s['completions_per_step']} completions per step, lr {s['lr']:g} "
+        f"({s['lr_schedule']}), {s['max_steps']} steps at most, no KL, one "
         f"optimizer step per batch, max {s['max_new_tokens']} new tokens, fp32, "
         f"{s['torch_threads']} thread per run; TRL `loss_type=\"dapo\"`, fastrl `--algo grpo`; "
         f"at most {s['budget_s']:g} training s per run; seeds {summary['seeds']}; {m['cpu']} "
@@ -766,10 +762,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--group-size", type=int, default=8, help="G")
     g.add_argument("--batch-prompts", type=int, default=32, help="prompts per step")
-    g.add_argument("--lr", type=float, default=1e-3, help="constant learning rate")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     g.add_argument("--max-new-tokens", type=int, default=6, help="completion length")
     g.add_argument("--threads", type=int, default=1, help="torch threads of each run")
-    g.add_argument("--max-steps", type=int, default=100_000, help="steps per run (a cap)")
+    g.add_argument(
+        "--max-steps",
+        type=int,
+        default=2000,
+        help="steps per run: both trainers' linear lr decay reaches 0 there",
+    )
     g.add_argument("--stop-at", type=float, default=0.9, help="stop a run at this accuracy")
     g.add_argument("--ablate", action="store_true", help="also run the ABLATIONS")
     g.add_argument(
@@ -791,8 +792,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def stem(task: str) -> str:
+    """The results files' name: learning_vs_trl for the default task, else with the task."""
+    return "learning_vs_trl" if task == "add" else f"learning_vs_trl_{task}"
+
+
 def _save(summary: dict, out: Path) -> None:
-    (out / "learning_vs_trl.json").write_text(json.dumps(summary, indent=1) + "\n")
+    name = stem(summary["task"].get("name", "add"))
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def main(args) -> dict:
@@ -819,8 +826,9 @@ def main(args) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         _save(summary, out)
-        plot(summary, out / "learning_vs_trl.png")
-        (out / "learning_vs_trl.md").write_text(table(summary))
+        name = stem(summary["task"].get("name", "add"))
+        plot(summary, out / f"{name}.png")
+        (out / f"{name}.md").write_text(table(summary))
         print(table(summary))
         return summary
     if args.quick:
@@ -914,10 +922,11 @@ def main(args) -> dict:
             }
             summary["ablation_summary"] = summarise({**base, **summary["ablation"]}, ab.max_steps)
     _save(summary, out)
-    plot(summary, out / "learning_vs_trl.png")
-    (out / "learning_vs_trl.md").write_text(table(summary))
+    name = stem(args.trl_task)
+    plot(summary, out / f"{name}.png")
+    (out / f"{name}.md").write_text(table(summary))
     print(table(summary))
-    print(f"wrote {out / 'learning_vs_trl.json'}, .png and .md")
+    print(f"wrote {out / name}.json, .png and .md")
     return summary
 
 

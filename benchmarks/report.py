@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-BLOCKS = ("train", "learning", "bench")  # README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
+# README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
+BLOCKS = ("train", "learning", "bench", "scale")
 
 
 def _rel(path: Path) -> str:
@@ -173,6 +174,60 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     return lines
 
 
+def _packed(data: dict) -> list[str]:
+    """bench_packed: each method on the padded (S, T) and the packed (N,) layout."""
+    meta, rows = data["meta"], data["rows"]
+    lines = [
+        f"**Packed vs padded** ({meta['cases'][0]['dtype'] if meta.get('cases') else ''}"
+        f"{_shape_note(rows[0])}, fwd+bwd); {_machine(meta)}",
+        "",
+        "| method | layout | median ms (q20-q80) | packed / padded time | peak MB above inputs "
+        "| packed / padded memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        packed = r["layout"] == "packed"
+        lines.append(
+            f"| {r['family']} | {r['layout']} | {'OOM' if r.get('oom') else _ms(r)} | "
+            f"{_x(1 / r['speedup_packed_vs_padded']) if packed else ''} | "
+            f"{_fmt(r.get('peak_MB'), 0)} | {_x(r['memory_packed_vs_padded']) if packed else ''} |"
+        )
+    return lines
+
+
+def _shape_note(r: dict) -> str:
+    pad = f", {100 * r['pad_frac']:.0f} % padding" if "pad_frac" in r else ""
+    return f", S = {r['S']}, T = {r['T']}, V = {r['V']}, N = {r['N']} tokens{pad}"
+
+
+def _vocab_parallel(data: dict) -> list[str]:
+    """bench_vocab_parallel: P ranks with V / P weight rows each against the unsharded op."""
+    meta, rows = data["meta"], data["rows"]
+    shape = meta["shape"]
+    lines = [
+        f"**Vocab-parallel LM head** (N = {shape['N']}, H = {shape['H']}, V = {shape['V']}, "
+        f"{shape['dtype']}, fwd+bwd, {meta['backend']}); {_machine(meta)}",
+        "",
+        "| op | method | median ms (q20-q80) | peak MB per rank | memory vs unsharded "
+        "| MB communicated | max rel. diff vs unsharded (loss / d hidden / d weight) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sharded = r["method"] == "vocab-parallel"
+        diffs = (
+            f"{r['loss_rel_diff_vs_unsharded']:.1e} / {r['grad_hidden_rel_diff']:.1e} / "
+            f"{r['grad_weight_rel_diff']:.1e}"
+            if sharded
+            else ""
+        )
+        lines.append(
+            f"| {r['op']} | {r['label']} | {_ms(r)} | {_fmt(r.get('peak_MB'), 0)} | "
+            f"{_x(r.get('memory_vs_unsharded')) if sharded else ''} | "
+            f"{_fmt(r.get('comm_MB'), 2) if sharded else ''} | {diffs} |"
+        )
+    return lines
+
+
 def _training(data: dict) -> list[str]:
     m = data["machine"]
     lines = [
@@ -202,6 +257,8 @@ MEASURES = {
     "bench_sample": ["fastrl/sampling.py", ":(glob)kernels/s*.py", "benchmarks/bench_sample.py"],
     "train_summary": ["fastrl", "kernels", "benchmarks/bench_train.py"],
     "learning": ["fastrl", "kernels", "benchmarks/bench_learning.py"],
+    "bench_packed": [*_LIBRARY, "benchmarks/bench_packed.py"],
+    "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py"],
 }
 
 
@@ -256,7 +313,8 @@ def _with_staleness(name: str, data: dict, lines: list[str]) -> list[str]:
 
 def tables(block: str, results: Path | None = None) -> str:
     """The Markdown of one README block: "train" (train_summary.json), "learning"
-    (learning.json, the table bench_learning.py wrote beside it) or "bench" (the rest), from
+    (learning.json, the table bench_learning.py wrote beside it), "scale" (bench_packed and
+    bench_vocab_parallel) or "bench" (the policy-loss, fused-linear, GAE and sampler files), from
     the results files in `results` (default benchmarks/results/)."""
     results = Path(results or RESULTS)
     out: list[str] = []
@@ -266,6 +324,13 @@ def tables(block: str, results: Path | None = None) -> str:
             data = json.loads((results / "learning.json").read_text())
             out += _with_staleness("learning", data, [table.read_text().rstrip()])
             out += ["", f"(from `{_rel(results / 'learning.json')}`)"]
+        return "\n".join(out).rstrip() + "\n"
+    if block == "scale":
+        for name, render in (("bench_packed", _packed), ("bench_vocab_parallel", _vocab_parallel)):
+            for path in sorted(results.glob(f"{name}_*.json")):
+                data = json.loads(path.read_text())
+                out += _with_staleness(path.stem, data, render(data))
+                out += ["", f"(from `{_rel(path)}`)", ""]
         return "\n".join(out).rstrip() + "\n"
     summary = results / "train_summary.json"
     if block == "train":

@@ -261,7 +261,7 @@ def build_optimizer(cfg: TrainConfig, policy, critic):
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": cfg.critic_lr})
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    total = cfg.steps * cfg.epochs * cfg.minibatches
+    total = cfg.steps * cfg.epochs * cfg.n_minibatches
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)
     )

@@ -85,9 +85,10 @@ class TrainConfig:
     lr: float = 1e-3
     """Peak AdamW learning rate of the policy."""
 
-    lr_schedule: str = "constant"
-    """Learning-rate schedule after the linear warm-up: `constant`, `linear` (to 0 at the last
-    optimizer step) or `cosine` (to 0 at the last optimizer step)."""
+    lr_schedule: str = "linear"
+    """Learning-rate schedule after the linear warm-up: `linear` (to 0 at the last optimizer
+    step of --steps, TRL's default; a run cut short by --max-time stops before the end of the
+    decay), `cosine` (to 0 at the last optimizer step) or `constant`."""
 
     max_new_tokens: int = 6
     """Longest completion, in tokens (EOS included). Must be >= 1."""
@@ -140,8 +141,10 @@ class TrainConfig:
     epochs: int = 1
     """K: passes over each rollout batch."""
 
-    minibatches: int = 2
-    """Optimizer steps per epoch: the rollout batch is shuffled and split into this many."""
+    minibatches: int | None = None
+    """Optimizer steps per epoch: the rollout batch is shuffled and split into this many. None:
+    1 for grpo and dapo (one optimizer step per rollout batch, as TRL's GRPOTrainer does by
+    default; two half-batches learned more slowly on the learning benchmark), 2 for ppo."""
 
     grad_accum: int = 1
     """Micro-batches per optimizer step (gradient accumulation; the loss normaliser is the token
@@ -254,6 +257,13 @@ class TrainConfig:
     progress: bool = True
     """Show a tqdm progress bar (reward, KL, entropy)."""
 
+    @property
+    def n_minibatches(self) -> int:
+        """--minibatches, or the algorithm's default when it is None."""
+        if self.minibatches is not None:
+            return self.minibatches
+        return 2 if self.algo == "ppo" else 1
+
     def validate(self) -> None:
         """Raise ValueError naming the option and what to fix."""
 
@@ -267,7 +277,6 @@ class TrainConfig:
             "steps",
             "batch_size",
             "epochs",
-            "minibatches",
             "grad_accum",
             "max_gen_batches",
             "eval_every",
@@ -336,7 +345,13 @@ class TrainConfig:
             and self.overlong_cache >= self.max_new_tokens
         ):
             raise bad("overlong_cache", f"< max_new_tokens = {self.max_new_tokens}")
-        if self.batch_size * self.group_size < self.minibatches * self.grad_accum:
+        if self.minibatches is not None and (
+            not isinstance(self.minibatches, int)
+            or isinstance(self.minibatches, bool)
+            or self.minibatches < 1
+        ):
+            raise bad("minibatches", "None or an integer >= 1")
+        if self.batch_size * self.group_size < self.n_minibatches * self.grad_accum:
             raise bad("minibatches", "minibatches * grad_accum <= batch_size * group_size")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise bad("gamma", "gamma and lam in [0, 1]")

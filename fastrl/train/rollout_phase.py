@@ -179,7 +179,7 @@ def collect(run: Run, state: TrainState) -> tuple[Batch, dict]:
         rollout.completion_mask = rollout.completion_mask * (~rollout.truncated)[:, None]
 
     N = rollout.completion_ids.shape[0]
-    chunk = N if cfg.fsdp else max(1, N // cfg.minibatches)  # fsdp: one forward per rank
+    chunk = N if cfg.fsdp else max(1, N // cfg.n_minibatches)  # fsdp: one forward per rank
     kw = dict(temperature=cfg.temperature, chunk=chunk, top_k=cfg.top_k, top_p=cfg.top_p)
     kw["lm_head"] = run.fused_lm_head
     with run.amp():

@@ -55,7 +55,7 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
     mask = batch.rollout.completion_mask
     for _ in range(cfg.epochs):
         perm = torch.randperm(N, generator=state.shuffle_gen)
-        for mb in torch.tensor_split(perm, cfg.minibatches):
+        for mb in torch.tensor_split(perm, cfg.n_minibatches):
             mb = mb.to(run.device)
             one = torch.tensor(float(len(mb)), device=mask.device)
             num_tokens, num_seqs = all_reduce(torch.stack([mask[mb].sum(), one]))
@@ -68,7 +68,7 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
                 ratio_max = torch.maximum(ratio_max, rmax)
             lrs.append(state.sched.get_last_lr()[0])  # the lr of this optimizer step
             grad_norms.append(_clip_and_step(cfg, state))
-    n_opt = cfg.epochs * cfg.minibatches
+    n_opt = cfg.epochs * cfg.n_minibatches
     # the one host read of this update: metric sums, ratio max, every grad norm pair
     ratio_max = all_reduce(ratio_max.reshape(1), dist.ReduceOp.MAX if run.world > 1 else None)
     norms = torch.stack(grad_norms).double().flatten()
