@@ -91,6 +91,9 @@ ABLATIONS = {
     "TRL + loss_type grpo": ("trl", [], [], {"loss_type": "grpo"}),
     "TRL + AdamW betas (0.9, 0.99)": ("trl", [], [], {"adam_beta2": 0.99}),
     "TRL + constant lr": ("trl", [], [], {"lr_scheduler_type": "constant"}),
+    # not a matched setting: DAPO (its preset, dynamic sampling up to 4 generation batches, no
+    # KL, clip-higher 0.28, token-mean loss, overlong shaping) on the same task and horizon
+    "fastrl --algo dapo (dynamic sampling)": ("fastrl", ["--algo", "dapo"], [], {}),
 }
 DEFAULT_ABLATIONS = [
     "fastrl + all of TRL's",
@@ -282,6 +285,28 @@ def _metrics(path: Path) -> list[dict]:
     return out
 
 
+def dynamic_sampling(recs: list[dict], window: int = 500) -> dict | None:
+    """DAPO's dynamic sampling in a fastrl run's metrics: generation batches per step and the
+    share of steps whose batch was filled with informative groups (not all rewards equal), per
+    `window` steps; None for a run without it (one generation batch every step)."""
+    steps = [r for r in recs if r["step"] > 0 and "gen_batches" in r]
+    if not steps or all(r["gen_batches"] <= 1 and r.get("batch_full", True) for r in steps):
+        return None
+    out = []
+    for lo in range(0, steps[-1]["step"], window):
+        w = [r for r in steps if lo < r["step"] <= lo + window]
+        if w:
+            out.append(
+                {
+                    "steps": f"{lo + 1}-{w[-1]['step']}",
+                    "gen_batches_mean": round(sum(r["gen_batches"] for r in w) / len(w), 3),
+                    "batch_full_share": round(sum(bool(r["batch_full"]) for r in w) / len(w), 3),
+                    "kept_groups_mean": round(sum(r["kept_groups"] for r in w) / len(w), 2),
+                }
+            )
+    return {"window": window, "per_window": out}
+
+
 def fastrl_evals(recs: list[dict]) -> list[dict]:
     """Eval points of a fastrl run: step, training seconds (the sum of `step_time_s` of the
     steps up to it: rollout, rewards, update; no evaluation, logging or checkpoint), accuracy."""
@@ -460,13 +485,17 @@ def run_fastrl(args, task, model, seed, out: Path, extra=(), patches=()) -> dict
     cmd_text = "fastrl " + shlex.join(argv)
     if patches:
         cmd_text += f"  [benchmark monkeypatches: {', '.join(patches)}]"
-    return {
+    out = {
         "command": cmd_text,
         "process_wall_s": round(wall, 1),
         "steps": steps,
         "evals": evals,
         "sec_per_step": round(evals[-1]["train_s"] / max(steps, 1), 4),
     }
+    ds = dynamic_sampling(recs)
+    if ds is not None:
+        out["dynamic_sampling"] = ds
+    return out
 
 
 def run_trl(args, task, model, seed, out: Path, overrides: dict | None = None) -> dict:
@@ -669,6 +698,21 @@ def table(summary: dict) -> str:
             per = ", ".join(f"{v['mean_acc']:.3f}" for v in c["per_seed"].values())
             cells += [f"{c['mean_acc']:.3f} ({per})", f"{c['final_acc']:.3f}"]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for name, by_seed in summary["ablation"].items():
+            for seed, r in by_seed.items():
+                if r.get("dynamic_sampling"):
+                    w = r["dynamic_sampling"]["per_window"]
+                    lines += [
+                        "",
+                        f"Dynamic sampling, {name}, seed {seed} (per window of steps: generation "
+                        "batches per step, share of steps whose batch filled, informative groups "
+                        "kept per step): "
+                        + "; ".join(
+                            f"{x['steps']}: {x['gen_batches_mean']:.2f}, "
+                            f"{100 * x['batch_full_share']:.0f} %, {x['kept_groups_mean']:.1f}"
+                            for x in w
+                        ),
+                    ]
     return "\n".join(lines) + "\n"
 
 

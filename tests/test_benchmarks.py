@@ -127,20 +127,24 @@ def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
     readme.write_text(
         "intro\n<!-- train:start -->\nold train\n<!-- train:end -->\nmiddle\n"
         "<!-- learning:start -->\nold learning\n<!-- learning:end -->\nmore\n"
-        "<!-- bench:start -->\nold bench\n<!-- bench:end -->\nend\n"
+        "<!-- bench:start -->\nold bench\n<!-- bench:end -->\n"
+        "<!-- scale:start -->\nold scale\n<!-- scale:end -->\nend\n"
     )
     report.main(["--readme", "--results", str(quick_results), "--readme-path", str(readme)])
     text = readme.read_text()
     assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("end\n")
     assert "\nmore\n" in text
     assert "old bench" not in text and "x GEMM floor" in text
-    assert "old train" not in text and "old learning" not in text
+    assert "old train" not in text and "old learning" not in text and "old scale" not in text
     # a README without one of the blocks is an error naming it, not a silent skip
     readme.write_text("intro\n<!-- bench:start -->\nold\n<!-- bench:end -->\n")
     with pytest.raises(SystemExit, match="train:start"):
         report.main(["--readme", "--results", str(quick_results), "--readme-path", str(readme)])
     # the committed results (whatever their format) still render
     assert "(from `benchmarks/results/" in report.tables("bench")
+    scale = report.tables("scale")
+    assert "| method | layout | median ms (q20-q80) | packed / padded time |" in scale
+    assert "| op | method | median ms (q20-q80) | peak MB per rank |" in scale
 
 
 @pytest.mark.slow
