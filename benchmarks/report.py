@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
-BLOCKS = ("train", "learning", "bench", "scale")
+BLOCKS = ("train", "learning", "vs_trl", "bench", "scale")
 
 
 def _rel(path: Path) -> str:
@@ -256,6 +256,9 @@ MEASURES = {
     "bench_gae": ["fastrl/advantages.py", "kernels/gae.py", "benchmarks/bench_gae.py"],
     "bench_sample": ["fastrl/sampling.py", ":(glob)kernels/s*.py", "benchmarks/bench_sample.py"],
     "train_summary": ["fastrl", "kernels", "benchmarks/bench_train.py"],
+    # the trainers it runs (a change to the harness's reporting or its ablation list leaves the
+    # side-by-side runs as they were; one to their settings changes settings() in the file)
+    "learning_vs_trl": ["fastrl", "kernels"],
     "learning": ["fastrl", "kernels", "benchmarks/bench_learning.py"],
     "bench_packed": [*_LIBRARY, "benchmarks/bench_packed.py"],
     "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py"],
@@ -313,7 +316,8 @@ def _with_staleness(name: str, data: dict, lines: list[str]) -> list[str]:
 
 def tables(block: str, results: Path | None = None) -> str:
     """The Markdown of one README block: "train" (train_summary.json), "learning"
-    (learning.json, the table bench_learning.py wrote beside it), "scale" (bench_packed and
+    (learning.json, the table bench_learning.py wrote beside it), "vs_trl" (the same for each
+    learning_vs_trl*.json of bench_learning.py --vs-trl), "scale" (bench_packed and
     bench_vocab_parallel) or "bench" (the policy-loss, fused-linear, GAE and sampler files), from
     the results files in `results` (default benchmarks/results/)."""
     results = Path(results or RESULTS)
@@ -324,6 +328,14 @@ def tables(block: str, results: Path | None = None) -> str:
             data = json.loads((results / "learning.json").read_text())
             out += _with_staleness("learning", data, [table.read_text().rstrip()])
             out += ["", f"(from `{_rel(results / 'learning.json')}`)"]
+        return "\n".join(out).rstrip() + "\n"
+    if block == "vs_trl":  # the tables bench_learning.py --vs-trl wrote beside each results file
+        for path in sorted(results.glob("learning_vs_trl*.json")):
+            table = path.with_suffix(".md")
+            if table.exists():
+                data = json.loads(path.read_text())
+                out += _with_staleness(path.stem, data, [table.read_text().rstrip()])
+                out += ["", f"(from `{_rel(path)}`, plot `{_rel(path.with_suffix('.png'))}`)", ""]
         return "\n".join(out).rstrip() + "\n"
     if block == "scale":
         for name, render in (("bench_packed", _packed), ("bench_vocab_parallel", _vocab_parallel)):
