@@ -127,6 +127,7 @@ def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
     readme.write_text(
         "intro\n<!-- train:start -->\nold train\n<!-- train:end -->\nmiddle\n"
         "<!-- learning:start -->\nold learning\n<!-- learning:end -->\nmore\n"
+        "<!-- vs_trl:start -->\nold vs_trl\n<!-- vs_trl:end -->\n"
         "<!-- bench:start -->\nold bench\n<!-- bench:end -->\n"
         "<!-- scale:start -->\nold scale\n<!-- scale:end -->\nend\n"
     )
@@ -136,6 +137,7 @@ def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
     assert "\nmore\n" in text
     assert "old bench" not in text and "x GEMM floor" in text
     assert "old train" not in text and "old learning" not in text and "old scale" not in text
+    assert "old vs_trl" not in text
     # a README without one of the blocks is an error naming it, not a silent skip
     readme.write_text("intro\n<!-- bench:start -->\nold\n<!-- bench:end -->\n")
     with pytest.raises(SystemExit, match="train:start"):
