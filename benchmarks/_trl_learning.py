@@ -94,6 +94,13 @@ ABLATIONS = {
     # not a matched setting: DAPO (its preset, dynamic sampling up to 4 generation batches, no
     # KL, clip-higher 0.28, token-mean loss, overlong shaping) on the same task and horizon
     "fastrl --algo dapo (dynamic sampling)": ("fastrl", ["--algo", "dapo"], [], {}),
+    # TRL's DAPO as its documentation gives it (its GRPOTrainer has no dynamic sampling)
+    "TRL DAPO recipe (epsilon_high 0.28, mask_truncated_completions)": (
+        "trl",
+        [],
+        [],
+        {"epsilon_high": 0.28, "mask_truncated_completions": True},
+    ),
 }
 DEFAULT_ABLATIONS = [
     "fastrl + all of TRL's",

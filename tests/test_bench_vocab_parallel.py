@@ -7,30 +7,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from bench_run import run_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_vocab_parallel.py"
 OPS = {"policy-loss", "logprobs"}
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    return res
+    return run_bench("bench_vocab_parallel.py", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

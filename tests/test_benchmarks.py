@@ -8,29 +8,17 @@ import csv
 import importlib.util
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_run import run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    res = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    return res
+_run = run_bench
 
 
 def _load(path: Path) -> dict:
@@ -165,7 +153,6 @@ def test_quick_runs_with_compile_and_liger(tmp_path):
 def test_report_marks_a_table_older_than_its_code():
     """A results file recorded before the last change to the code it measures is marked stale;
     one recorded at HEAD is not; an unknown commit is flagged too."""
-    import subprocess
 
     git = lambda *a: subprocess.run(  # noqa: E731
         ["git", *a], cwd=ROOT, capture_output=True, text=True
