@@ -686,9 +686,11 @@ def table(summary: dict) -> str:
         lines += [
             "",
             f"Ablation: {h} steps per run, the same seeds and warm start; each variant changes "
-            "one setting of one trainer to the other's value. Mean over seeds of the steps to "
-            "each threshold (per seed in brackets, - = not reached), of the mean eval accuracy "
-            f"over steps 1-{h} and of the last 5 evals:",
+            "one trainer as its name says (most: one setting to the other trainer's value). "
+            "Mean over seeds of the steps / training seconds to each threshold (steps per seed "
+            "in brackets, - = not reached), of the mean eval accuracy over steps 1-"
+            f"{h} and of the last 5 evals (the base runs stopped at {THRESHOLDS[-1]:g}, which "
+            "lowers their mean):",
             "",
             "| variant | " + " | ".join(f"steps to {x:g}" for x in THRESHOLDS)
             + f" | mean acc 1-{h} | final acc |",
@@ -699,7 +701,11 @@ def table(summary: dict) -> str:
             for x in THRESHOLDS:
                 a = agg[str(x)]
                 per = ", ".join(f"{p['step']}" if p else "-" for p in a["per_seed"].values())
-                mean = f"{a['steps_mean']:g}" if a["steps_mean"] is not None else "-"
+                mean = (
+                    f"{a['steps_mean']:g} / {a['train_s_mean']:.0f} s"
+                    if a["steps_mean"] is not None
+                    else "-"
+                )
                 cells.append(f"{mean} ({per})")
             c = agg["curve"]
             per = ", ".join(f"{v['mean_acc']:.3f}" for v in c["per_seed"].values())
