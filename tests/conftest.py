@@ -63,3 +63,20 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Every Triton LaunchConfig launched while the test runs, as (kernel name, grid,
+    constexprs, num_warps): what the launchers really ran, against their `*_configs`."""
+    from fastrl.kernels import launch
+
+    calls = []
+    original = launch.LaunchConfig.__call__
+
+    def spy(self, *args):
+        calls.append((self.name, self.grid, self.constexprs, self.num_warps))
+        return original(self, *args)
+
+    monkeypatch.setattr(launch.LaunchConfig, "__call__", spy)
+    return calls

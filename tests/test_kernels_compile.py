@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from fastrl.kernels import gae as G
-from fastrl.kernels import launch as L
 from fastrl.kernels import policy_loss as PL
 from fastrl.kernels import sampling as S
 
@@ -197,21 +196,8 @@ def test_committed_report_matches_the_kernels(report):
 
 
 # --------------------------------------------------------------------------- one source of truth
-@pytest.fixture
-def launched(monkeypatch):
-    """Every LaunchConfig launched, as (kernel name, grid, constexprs, num_warps)."""
-    calls = []
-    original = L.LaunchConfig.__call__
-
-    def spy(self, *args):
-        calls.append((self.name, self.grid, self.constexprs, self.num_warps))
-        return original(self, *args)
-
-    monkeypatch.setattr(L.LaunchConfig, "__call__", spy)
-    return calls
-
-
 def _as_launched(cfgs):
+    """LaunchConfigs as the `launched` fixture (conftest.py) records their launches."""
     return [(c.name, c.grid, c.constexprs, c.num_warps) for c in cfgs]
 
 

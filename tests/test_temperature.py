@@ -13,9 +13,9 @@ import os
 
 import pytest
 import torch
-from fastrl.kernels import launch as L
 from fastrl.kernels import policy_loss as PL
 from fastrl.kernels import sampling as S
+from test_kernels_compile import _as_launched
 
 import fastrl
 from fastrl import ops
@@ -297,23 +297,6 @@ def test_triton_row_stats_split_v_per_row_temperature(split_chunk):
     torch.testing.assert_close(logp, rlogp, **FWD)
     torch.testing.assert_close(ent, rent, **FWD)
     torch.testing.assert_close(lse, torch.logsumexp(logits / tau[..., None], -1), **FWD)
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    calls = []
-    original = L.LaunchConfig.__call__
-
-    def spy(self, *args):
-        calls.append((self.name, self.grid, self.constexprs, self.num_warps))
-        return original(self, *args)
-
-    monkeypatch.setattr(L.LaunchConfig, "__call__", spy)
-    return calls
-
-
-def _as_launched(cfgs):
-    return [(c.name, c.grid, c.constexprs, c.num_warps) for c in cfgs]
 
 
 @needs_interpreter
