@@ -701,11 +701,7 @@ def table(summary: dict) -> str:
             for x in THRESHOLDS:
                 a = agg[str(x)]
                 per = ", ".join(f"{p['step']}" if p else "-" for p in a["per_seed"].values())
-                mean = (
-                    f"{a['steps_mean']:g} / {a['train_s_mean']:.0f} s"
-                    if a["steps_mean"] is not None
-                    else "-"
-                )
+                mean = _mean_cell(a, bold=False) if a["steps_mean"] is not None else "-"
                 cells.append(f"{mean} ({per})")
             c = agg["curve"]
             per = ", ".join(f"{v['mean_acc']:.3f}" for v in c["per_seed"].values())
