@@ -177,9 +177,11 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
 def _packed(data: dict) -> list[str]:
     """bench_packed: each method on the padded (S, T) and the packed (N,) layout."""
     meta, rows = data["meta"], data["rows"]
+    r0 = rows[0]
     lines = [
-        f"**Packed vs padded** ({meta['cases'][0]['dtype'] if meta.get('cases') else ''}"
-        f"{_shape_note(rows[0])}, fwd+bwd); {_machine(meta)}",
+        f"**Packed vs padded** ({r0['dtype']}, S = {r0['S']}, T = {r0['T']}, V = {r0['V']}, "
+        f"N = {r0['N']} tokens, {100 * r0['pad_frac']:.0f} % padding, fwd+bwd); "
+        f"{_machine(meta)}",
         "",
         "| method | layout | median ms (q20-q80) | packed / padded time | peak MB above inputs "
         "| packed / padded memory |",
@@ -193,11 +195,6 @@ def _packed(data: dict) -> list[str]:
             f"{_fmt(r.get('peak_MB'), 0)} | {_x(r['memory_packed_vs_padded']) if packed else ''} |"
         )
     return lines
-
-
-def _shape_note(r: dict) -> str:
-    pad = f", {100 * r['pad_frac']:.0f} % padding" if "pad_frac" in r else ""
-    return f", S = {r['S']}, T = {r['T']}, V = {r['V']}, N = {r['N']} tokens{pad}"
 
 
 def _vocab_parallel(data: dict) -> list[str]:
