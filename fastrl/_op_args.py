@@ -90,8 +90,8 @@ def policy_inputs_from_op(logits, args):
     temperature_rows, cu_seqlens, max_seqlen, key = args[8:]
     cfg = config_from_key(key)
     packing = None
-    if cu_seqlens is not None:
-        packing = make_packing(cu_seqlens, mask.shape[1], mask.device, max_seqlen)
+    if cu_seqlens is not None:  # checked by the public entry that packed the op's arguments
+        packing = make_packing(cu_seqlens, mask.shape[1], mask.device, max_seqlen, check=False)
     return PolicyInputs(
         logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, packing is not None,
         cfg, cfg.num_tokens if num_tokens is None else num_tokens,

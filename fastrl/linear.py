@@ -254,7 +254,7 @@ def _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask
         tau = tau if tau_rows is None else tau_rows  # a float, or fp32 (N,) per row
         m = None if mask is None else check_mask("mask", mask, tuple(tokens.shape),
                                                  tokens.device, as_float=False)  # fmt: skip
-        return tau, m
+        return tau, m, tau
 
     tau, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
     with autocast_off:
@@ -375,7 +375,8 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
             None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
         )  # fmt: skip
-        return x, x.mask
+        tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows
+        return x, x.mask, tau
 
     x, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
     params = [t for t in (hidden, weight, bias) if t is not None]

@@ -108,10 +108,14 @@ def check_cu_seqlens(cu_seqlens, N: int, max_seqlen: int | None = None) -> None:
         )
 
 
-def make_packing(cu_seqlens, N: int, device, max_seqlen: int | None = None) -> Packing:
-    """Check `cu_seqlens` (S + 1,) against N rows (`check_cu_seqlens`) and build the Packing.
-    Without `max_seqlen` it is read from cu_seqlens (a host sync on an accelerator)."""
-    check_cu_seqlens(cu_seqlens, N, max_seqlen)
+def make_packing(
+    cu_seqlens, N: int, device, max_seqlen: int | None = None, check: bool = True
+) -> Packing:
+    """Check `cu_seqlens` (S + 1,) against N rows (`check_cu_seqlens`; `check=False`: already
+    checked at the public entry, as inside the custom ops) and build the Packing. Without
+    `max_seqlen` it is read from cu_seqlens (a host sync on an accelerator)."""
+    if check:
+        check_cu_seqlens(cu_seqlens, N, max_seqlen)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if max_seqlen is None:
         max_seqlen = int(lengths.max())

@@ -134,24 +134,38 @@ class Plan:
         return self.shard_rank[torch.searchsorted(self.ends, y, right=True)]
 
 
+def _fingerprint(tau, device) -> Tensor:
+    """(2,) int64, equal on two ranks when their temperatures are (a float, or fp32 (N,) per
+    row): the float64 bits of tau and 0, or of sum_i tau_i and sum_i (i + 1) tau_i (on the
+    device: no host read of its own)."""
+    if not isinstance(tau, Tensor):
+        return torch.tensor([float(tau), 0.0], dtype=torch.float64, device=device).view(torch.int64)
+    t = tau.reshape(-1).double()
+    i = torch.arange(1, t.numel() + 1, dtype=torch.float64, device=t.device)
+    return torch.stack([t.sum(), (t * i).sum()]).to(device).view(torch.int64)
+
+
 def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[object, Plan]:
-    """Run `check()` -> (result, mask or None) and exchange what every rank must agree on: one
-    all-gather of 8 int64 per rank and one host read. A failed check is raised on every rank
-    (the failing rank's own message on it), so that no rank waits in a collective for one that
-    raised; so are inputs that differ across ranks and tokens outside [0, V)."""
+    """Run `check()` -> (result, mask or None, temperature) and exchange what every rank must
+    agree on: one all-gather of 10 int64 per rank and one host read. A failed check is raised on
+    every rank (the failing rank's own message on it), so that no rank waits in a collective
+    for one that raised; so are inputs that differ across ranks (sizes, token range, the
+    temperature) and tokens outside [0, V)."""
     P, me = dist.get_world_size(group), dist.get_rank(group)
     device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
     try:
-        result, mask = check()
+        result, mask, tau = check()
         N = tokens.numel()
         active = _active_rows(mask, N, device)
         info = [1, shard_index, weight.shape[0], N, active.numel(), chunk_size or 0]
         error = None
     except Exception as e:  # raised below, once every rank has reported
         error, info, result, active = e, [0, shard_index, 0, 0, 0, 0], None, None
-    mine = torch.tensor(info + [0, -1], dtype=torch.int64, device=device)
+    mine = torch.tensor(info + [0, -1, 0, 0], dtype=torch.int64, device=device)
     if error is None and tokens.numel():
-        mine[6:] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
+        mine[6:8] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
+    if error is None:
+        mine[8:] = _fingerprint(tau, device)
     table = mine.new_empty(P, mine.numel())
     dist.all_gather(list(table.unbind(0)), mine, group=group)
     rows = table.tolist()
@@ -172,6 +186,11 @@ def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[ob
                 f"{what} differs across ranks ({[r[col] for r in rows]}): hidden, tokens, mask and "
                 f"the per-token inputs must be replicated over the group {where}"
             )
+    if len({tuple(r[8:]) for r in rows}) > 1:
+        raise ValueError(
+            f"temperature differs across ranks: it must be the same float, or the same (N,) "
+            f"per-token tensor, on every rank of the group {where}"
+        )
     order = sorted(range(P), key=lambda r: rows[r][1])  # group ranks in shard order
     widths = [rows[r][2] for r in order]
     V = sum(widths)

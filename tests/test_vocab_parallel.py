@@ -138,6 +138,15 @@ def _check_bad_inputs(b, rows, group, rank):
     tokens[0, 0] = rank
     with pytest.raises(ValueError, match="differs across ranks"):
         fastrl.linear_logprobs(b["hidden"], w, tokens, bias=bias, group=group)
+    # a temperature that is not the same on every rank: a float, and one entry of a per-token one
+    with pytest.raises(ValueError, match="temperature differs across ranks"):
+        fastrl.linear_logprobs(b["hidden"], w, b["tokens"], bias=bias, temperature=1.0 + rank,
+                               group=group)  # fmt: skip
+    tau = b["tau"].clone()
+    tau[2, 3] += 0.25 * rank
+    with pytest.raises(ValueError, match="temperature differs across ranks"):
+        fastrl.fused_linear_policy_loss(b["hidden"], w, b["tokens"], b["adv"], bias=bias,
+                                        temperature=tau, group=group)  # fmt: skip
 
 
 def _worker(rank, world, store):

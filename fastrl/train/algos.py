@@ -7,6 +7,9 @@
   ppo       task reward on the last       all                          GAE with a critic,
             token (- beta * KL shaping)                                whitened over all ranks
 
+grpo / dapo with no KL and no entropy term (`skip_zero_advantage`) forward only the sequences
+whose advantage is not 0 (`trained_rows`): the others add exactly nothing to the loss.
+
 The loss (`--loss`, a LossConfig preset, default the one named like the algorithm) is the same
 fused `fastrl.policy_loss` for all of them (fastrl/train/update.py).
 """
@@ -18,7 +21,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from ..advantages import dynamic_sampling_filter, gae, group_advantages, overlong_penalty, whiten
+from ..advantages import dynamic_sampling_filter, gae, overlong_penalty, whiten
 from .common import Batch, gather_rows
 from .config import TrainConfig
 from .rollout import Rollout
@@ -48,10 +51,17 @@ def dapo_keep(rewards: Tensor, group_size: int, room: int) -> Tensor:
     return (keep[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
-def group_batch(r: Rollout, rewards: Tensor, old_logp, ref_logp, group_size: int) -> Batch:
-    """grpo / dapo: one advantage per sequence, normalised within its group."""
-    adv = group_advantages(rewards, group_size=group_size).to(old_logp.device)
-    return Batch(r, adv, old_logp, ref_logp)
+def trained_rows(cfg: TrainConfig, loss_cfg, adv: Tensor, mask: Tensor, ref: bool):
+    """grpo / dapo with `skip_zero_advantage`: (N,) bool on the host, the sequences whose loss
+    can be non-zero, or None (train on all). Every policy-gradient term of every loss preset is
+    proportional to the advantage, so with no KL term (`ref` False or beta 0) and no entropy
+    bonus a sequence with advantage 0 (N,), or with no counted token in `mask` (N, T), has loss
+    0 and gradient 0 exactly (one read of the advantages: a host sync, once per step)."""
+    if not cfg.skip_zero_advantage or cfg.algo == "ppo" or loss_cfg.entropy_coef:
+        return None
+    if ref and loss_cfg.kl_coef:
+        return None
+    return ((adv != 0) & (mask > 0).any(-1)).cpu()
 
 
 # --------------------------------------------------------------------------- ppo

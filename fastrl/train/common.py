@@ -40,6 +40,7 @@ class Batch:
     ref_logp: Tensor | None = None  # (N, T)
     returns: Tensor | None = None  # (N, T) ppo
     old_values: Tensor | None = None  # (N, T) ppo
+    trained: Tensor | None = None  # (N,) bool on the host: the rows the update forwards (None: all)
 
     def select(self, idx: Tensor) -> Batch:
         kw = {}

@@ -166,6 +166,15 @@ class TrainConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight in the loss."""
 
+    skip_zero_advantage: bool = True
+    """grpo / dapo: forward only the sequences that can move the policy. With no KL term and no
+    entropy bonus, a sequence whose advantage is 0 (every reward of its group equal) or whose
+    tokens are all masked adds exactly 0 to the loss and to its gradient, so its pi_old forward
+    and its training forward + backward are skipped, while the loss normalisers still count it:
+    the same update up to rounding, at the cost of the informative sequences only. Entropy,
+    clipfrac and approx_kl are then averaged over the trained sequences. False: forward every
+    sequence (those metrics over the whole batch)."""
+
     clip_low: float | None = None
     """epsilon_low of the ratio clip (None: the algorithm's preset, 0.2)."""
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..advantages import group_advantages
 from ..losses import logprobs
 from . import algos
 from .common import Batch, all_ranks
@@ -178,22 +179,38 @@ def collect(run: Run, state: TrainState) -> tuple[Batch, dict]:
     if dapo and cfg.overlong_filter:
         rollout.completion_mask = rollout.completion_mask * (~rollout.truncated)[:, None]
 
-    N = rollout.completion_ids.shape[0]
+    N, mask = rollout.completion_ids.shape[0], rollout.completion_mask
     chunk = N if cfg.fsdp else max(1, N // cfg.n_minibatches)  # fsdp: one forward per rank
     kw = dict(temperature=cfg.temperature, chunk=chunk, top_k=cfg.top_k, top_p=cfg.top_p)
     kw["lm_head"] = run.fused_lm_head
+    adv = trained = None
+    if cfg.algo != "ppo":  # grpo / dapo: one advantage per sequence, within its group
+        adv = group_advantages(rewards, group_size=G).to(run.device)
+        trained = algos.trained_rows(cfg, run.loss_cfg, adv, mask, state.ref is not None)
     with run.amp():
-        old_logp = sequence_logprobs(state.policy, rollout, **kw)
+        old_logp = _old_logprobs(state.policy, rollout, trained, run.device, **kw)
         ref_logp = sequence_logprobs(state.ref, rollout, **kw) if state.ref is not None else None
-    st["sampler_gap"] = float(
-        ((old_logp - rollout.sampler_logp).abs() * rollout.completion_mask).max()
-    )
+    counted = mask if trained is None else mask * trained.to(run.device)[:, None]
+    st["sampler_gap"] = float(((old_logp - rollout.sampler_logp).abs() * counted).max())
     if cfg.algo == "ppo":
         batch = algos.ppo_batch(state.critic, cfg, rollout, rewards, old_logp, ref_logp, run.amp)
     else:
-        batch = algos.group_batch(rollout, rewards, old_logp, ref_logp, G)
+        batch = Batch(rollout, adv, old_logp, ref_logp, trained=trained)
     state.policy.train()
     return batch, st
+
+
+def _old_logprobs(policy, rollout: Rollout, trained, device, **kw) -> torch.Tensor:
+    """pi_old log-probs (N, T) fp32 (`sequence_logprobs`); with `trained` (N,) only of those
+    rows (at least one: an FSDP forward is a collective every rank joins), the others 0 (never
+    read: the update does not forward them)."""
+    if trained is None:
+        return sequence_logprobs(policy, rollout, **kw)
+    out = torch.zeros(rollout.completion_mask.shape, dtype=torch.float32, device=device)
+    rows = trained.nonzero().flatten()
+    rows = (rows if len(rows) else torch.zeros(1, dtype=torch.long)).to(device)
+    out[rows] = sequence_logprobs(policy, rollout.select(rows), **kw)
+    return out
 
 
 def _sample_and_score(

@@ -4,6 +4,8 @@
 The loss normaliser is the token / sequence count of the whole optimizer step summed over
 micro-batches and ranks (`num_tokens` / `num_seqs`), so accumulation and data parallelism give
 the gradient of the full batch; DDP averages gradients, hence the loss times the world size.
+Rows the batch marks untrained (`Batch.trained`: zero advantage, no KL / entropy term) count in
+the normalisers but are not forwarded: their loss and gradient are exactly 0.
 Metric sums and gradient norms stay on the device and are read once per update; a non-finite
 loss, value loss or gradient norm found there raises TrainingError naming the step.
 """
@@ -56,10 +58,11 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
     for _ in range(cfg.epochs):
         perm = torch.randperm(N, generator=state.shuffle_gen)
         for mb in torch.tensor_split(perm, cfg.n_minibatches):
-            mb = mb.to(run.device)
             one = torch.tensor(float(len(mb)), device=mask.device)
-            num_tokens, num_seqs = all_reduce(torch.stack([mask[mb].sum(), one]))
-            micros = torch.tensor_split(mb, cfg.grad_accum)
+            num_tokens, num_seqs = all_reduce(torch.stack([mask[mb.to(run.device)].sum(), one]))
+            if batch.trained is not None:  # rows of exactly zero loss: counted, not forwarded
+                mb = mb[batch.trained[mb]]
+            micros = torch.tensor_split(mb.to(run.device), cfg.grad_accum)
             state.opt.zero_grad(set_to_none=True)
             for i, mi in enumerate(micros):
                 last = i == len(micros) - 1
