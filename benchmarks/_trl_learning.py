@@ -23,7 +23,10 @@ warm start, on the same JSONL task, reward, eval and settings, back to back.
    gradient_accumulation_steps = steps_per_generation = num_iterations = 1; fastrl's
    defaults for grpo), fp32, 1 torch thread each (fastrl's own choice for a model this small).
    Everything else is each trainer's default: TRL `loss_type="dapo"`, no warm-up, linear lr
-   decay; fastrl `--algo grpo` (with `--kl-coef 0`), 5 warm-up steps, linear lr decay; TRL's
+   decay; fastrl `--algo grpo` (with `--kl-coef 0`: token-mean loss, AdamW betas (0.9, 0.999),
+   prompts in shuffled epochs, no warm-up, linear lr decay: TRL's own choices, made fastrl's
+   defaults after the ablations below showed that they matter together; the group std eps
+   stays SPEC's 1e-6); TRL's
    gradient checkpointing is turned off (its default is on; fastrl's off) so that both do the
    same compute.
 4. Eval: fastrl's greedy evaluation (greedy decoding with fastrl's sampler, exact match) on the
@@ -47,7 +50,7 @@ behaviour). Compared by steps to each threshold and by the mean eval accuracy ov
 (a noise-robust area under the curve).
 
 Everything goes through public entry points (the CLI, `fastrl.train.rollout.generate`,
-`fastrl.advantages.group_advantages`, `JsonlTask.sample`, `torch.optim.AdamW`), not the
+`fastrl.advantages.group_advantages`, `JsonlTask.sample`), not the
 trainer's internals.
 """
 
@@ -72,19 +75,19 @@ TASKS = {"add": 49, "add_small": 9, "add19": 19}  # largest operand of each pair
 # --ablate: runs that each change one setting of one trainer to the other trainer's value, or
 # to fastrl's defaults before they changed (2 minibatches, constant lr).
 #   name: (trainer, fastrl CLI options, fastrl monkeypatches, GRPOConfig overrides)
-TOKEN_MEAN = ["--loss", "dapo", "--clip-high", "0.2"]
+OLD_AGG = ["--loss-agg", "seq-mean-token-mean"]  # the GRPO paper's, fastrl's grpo before
 ABLATIONS = {
-    "fastrl + token-mean loss": ("fastrl", TOKEN_MEAN, [], {}),
-    "fastrl + AdamW betas (0.9, 0.999)": ("fastrl", [], ["betas"], {}),
-    "fastrl + prompts without replacement": ("fastrl", [], ["epoch_sampler"], {}),
-    "fastrl + all of TRL's": (
+    "fastrl + seq-mean-token-mean loss (its old default)": ("fastrl", OLD_AGG, [], {}),
+    "fastrl + AdamW beta2 0.99 (its old default)": ("fastrl", ["--adam-beta2", "0.99"], [], {}),
+    "fastrl + prompts with replacement (its old default)": ("fastrl", [], ["replacement"], {}),
+    "fastrl + 5 warm-up steps (its old default)": ("fastrl", ["--warmup-steps", "5"], [], {}),
+    "fastrl + all of its old defaults": (
         "fastrl",
-        [*TOKEN_MEAN, "--warmup-steps", "0"],
-        ["betas", "adv_eps", "epoch_sampler"],
+        [*OLD_AGG, "--adam-beta2", "0.99", "--warmup-steps", "5"],
+        ["replacement"],
         {},
     ),
-    "fastrl + adv std eps 1e-4": ("fastrl", [], ["adv_eps"], {}),
-    "fastrl + no warm-up (TRL's)": ("fastrl", ["--warmup-steps", "0"], [], {}),
+    "fastrl + adv std eps 1e-4 (TRL's)": ("fastrl", [], ["adv_eps"], {}),
     "fastrl + 2 minibatches (its old default)": ("fastrl", ["--minibatches", "2"], [], {}),
     "fastrl + constant lr (its old default)": ("fastrl", ["--lr-schedule", "constant"], [], {}),
     "fastrl + k3 KL 0.04 (its grpo default)": ("fastrl", ["--kl-coef", "0.04"], [], {}),
@@ -103,8 +106,8 @@ ABLATIONS = {
     ),
 }
 DEFAULT_ABLATIONS = [
-    "fastrl + all of TRL's",
-    "fastrl + no warm-up (TRL's)",
+    "fastrl + all of its old defaults",
+    "fastrl + 5 warm-up steps (its old default)",
     "fastrl + 2 minibatches (its old default)",
     "fastrl + constant lr (its old default)",
     "TRL + constant lr",
@@ -236,20 +239,10 @@ def _apply_patches(names: list[str]) -> None:
     on public names so that they survive refactors of the trainer's internals."""
     import functools
 
-    import torch
-
     import fastrl.advantages
     import fastrl.train.trainer  # noqa: F401  (imports every trainer module)
     from fastrl.train import tasks
 
-    if "betas" in names:  # AdamW betas (0.9, 0.999), transformers' default, not (0.9, 0.99)
-
-        class AdamW(torch.optim.AdamW):
-            def __init__(self, params, *a, **kw):
-                kw["betas"] = (0.9, 0.999)
-                super().__init__(params, *a, **kw)
-
-        torch.optim.AdamW = AdamW
     if "adv_eps" in names:  # TRL: (r - mean) / (std + 1e-4); fastrl's default eps is 1e-6
         orig = fastrl.advantages.group_advantages
         patched = functools.partial(orig, eps=1e-4)
@@ -258,18 +251,9 @@ def _apply_patches(names: list[str]) -> None:
                 getattr(mod, "group_advantages", None) is orig
             ):
                 mod.group_advantages = patched
-    if "epoch_sampler" in names:  # TRL's RepeatSampler: shuffled epochs, no repeats in a batch
-
-        def sample(self, rng, n):
-            out = []
-            for _ in range(n):
-                if not getattr(self, "_order", None):
-                    self._order = list(self.examples)
-                    rng.shuffle(self._order)
-                out.append(self._order.pop())
-            return out
-
-        tasks.JsonlTask.sample = sample
+    if "replacement" in names:  # fastrl's JSONL sampling before shuffled epochs: uniform draws
+        orig_sample = tasks.JsonlTask.sample
+        tasks.JsonlTask.sample = lambda self, rng, n, order=None: orig_sample(self, rng, n)
 
 
 def child_fastrl(spec: dict) -> None:
@@ -436,8 +420,9 @@ def _fail(what: str, log: Path, rc: int):
 
 def fastrl_argv(args, task: dict, model: Path, seed: int, out: Path, extra: list[str]) -> list:
     """`fastrl train` options of a run: the settings of `settings()`, the rest fastrl's defaults
-    (--algo grpo: group advantages, its loss preset, one minibatch, 5 warm-up steps, linear lr
-    decay to 0 at --steps; no KL as in TRL's beta = 0)."""
+    (--algo grpo: group advantages, its loss preset with token-mean aggregation, one minibatch,
+    AdamW (0.9, 0.999), no warm-up, linear lr decay to 0 at --steps; no KL as in TRL's
+    beta = 0)."""
     return [
         "train", "--algo", "grpo", "--kl-coef", "0", "--seed", str(seed),
         "--model", str(model), "--task", task["train"], "--eval-file", task["eval"],
@@ -558,8 +543,7 @@ def settings(args) -> dict:
         "batch_prompts": args.batch_prompts,
         "completions_per_step": args.group_size * args.batch_prompts,
         "lr": args.lr,
-        "lr_schedule": "each trainer's default: linear decay to 0 at max_steps (TRL: no "
-        "warm-up; fastrl: 5 warm-up steps)",
+        "lr_schedule": "each trainer's default: linear decay to 0 at max_steps, no warm-up",
         "max_new_tokens": args.max_new_tokens,
         "temperature": 1.0,
         "kl": 0.0,

@@ -108,5 +108,7 @@ def test_a_step_where_every_group_is_uniform_trains_nothing(tmp_path):
     t.train()
     rec = read_metrics(str(tmp_path / "o" / "metrics.jsonl"))[-1]
     assert rec["loss"] == 0.0 and rec["grad_norm"] == 0.0
+    for key in ("entropy", "approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_max"):
+        assert key not in rec, key  # no token was trained: no average of none, not a false 0
     for b, p in zip(before, t.policy.parameters()):
         assert torch.equal(b, p)

@@ -103,6 +103,38 @@ def test_held_out_split_is_never_trained_on(tmp_path):
     assert len(t.eval_set) == 5 and len(t.task.examples) == 40
 
 
+def test_jsonl_prompts_come_in_shuffled_epochs(tmp_path):
+    import random
+
+    f = _jsonl(tmp_path / "t.jsonl", 7)
+    t = Trainer(tiny(tmp_path / "o", task=str(f), eval_split=0), log=quiet)
+    rng, order = random.Random(0), []
+    drawn = [e.prompt for _ in range(7) for e in t.task.sample(rng, 3, order)]  # 3 epochs
+    lines = sorted(e.prompt for e in t.task.examples)
+    epochs = [drawn[i : i + 7] for i in range(0, 21, 7)]
+    for epoch in epochs:
+        assert sorted(epoch) == lines  # every line once before any line again
+    assert epochs[0] != epochs[1] or epochs[1] != epochs[2]  # each epoch its own shuffle
+    assert order == []  # 21 draws: exactly 3 epochs used up
+
+
+def test_resume_keeps_the_prompt_epoch(tmp_path):
+    # 6 lines, 4 prompts a step: the epoch ends mid-step, and the checkpoint of step 2 holds
+    # the lines left of an epoch; a resume that lost them would draw other prompts
+    f = _jsonl(tmp_path / "t.jsonl", 6)
+    kw = dict(task=str(f), eval_split=0, save_every=2, warmup_steps=5, num_threads=1)
+    Trainer(tiny(tmp_path / "full", steps=4, **kw), log=quiet).train()
+    Trainer(tiny(tmp_path / "part", steps=2, **kw), log=quiet).train()
+    part = str(tmp_path / "part")
+    Trainer(tiny(tmp_path / "part", steps=4, resume=part, **kw), log=quiet).train()
+    a = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
+    b = read_metrics(str(tmp_path / "part" / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a[3:], b[3:]):
+        for key in ("loss", "entropy", "reward_mean", "response_len"):
+            assert ra[key] == rb[key], key
+
+
 # ----------------------------------------------------------------------- 3. export
 def test_export_from_pretrained_and_model_round_trip(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
@@ -148,6 +180,37 @@ def test_every_loss_preset_trains(tmp_path, preset):
     t.train()
     rec = read_metrics(str(tmp_path / "metrics.jsonl"))[-1]
     assert math.isfinite(rec["loss"]) and ("kl" in rec) == (preset == "grpo")
+
+
+def test_grpo_trains_on_token_mean_unless_told_otherwise():
+    from fastrl.config import LossConfig
+
+    grpo = loss_config(TrainConfig(algo="grpo"))  # the trainer's choice for --algo grpo
+    assert grpo.agg == "token-mean" and grpo.kl_coef == 0.04
+    assert grpo == LossConfig.preset("grpo", agg="token-mean", temperature=1.0)
+    assert loss_config(TrainConfig(algo="grpo", loss="grpo")).agg == "seq-mean-token-mean"
+    assert loss_config(TrainConfig(algo="dapo")).agg == "token-mean"
+    assert loss_config(TrainConfig(algo="ppo")).agg == LossConfig.preset("ppo").agg
+    own = loss_config(TrainConfig(algo="grpo", loss_agg="seq-mean-token-mean"))
+    assert own.agg == "seq-mean-token-mean"
+    norm = loss_config(TrainConfig(loss_agg="seq-mean-token-sum-norm", max_new_tokens=7))
+    assert norm.max_len == 7  # Dr.GRPO's normaliser is the generation budget
+    assert loss_config(TrainConfig(loss="dr_grpo", max_new_tokens=9)).max_len == 9
+
+
+def test_adam_betas_reach_the_optimizer(tmp_path):
+    t = Trainer(tiny(tmp_path, adam_beta1=0.8, adam_beta2=0.95), log=quiet)
+    t.setup()
+    assert t.state.opt.param_groups[0]["betas"] == (0.8, 0.95)
+    assert TrainConfig().adam_beta2 == 0.999 and TrainConfig().warmup_steps == 0
+
+
+@pytest.mark.parametrize(
+    "field,value", [("loss_agg", "sum"), ("adam_beta2", 1.0), ("adam_beta1", -0.1)]
+)
+def test_bad_optimizer_and_aggregation_options(field, value):
+    with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
+        TrainConfig(**{field: value}).validate()
 
 
 def test_lr_schedules():
@@ -241,10 +304,13 @@ def test_metrics_say_what_happened(tmp_path):
     rec = read_metrics(str(tmp_path / "d" / "metrics.jsonl"))[-1]
     assert "kl" not in rec  # no reference: approx_kl is the KL to pi_old
     for key in (
-        "approx_kl", "clipfrac_low", "clipfrac_high", "ratio_max", "reward_std", "adv_std",
-        "gen_time_s", "update_time_s", "kept_groups", "batch_full",
+        "reward_std", "adv_std", "gen_time_s", "update_time_s", "kept_groups", "batch_full",
     ):  # fmt: skip
         assert key in rec, key
+    # the per-token averages are there exactly when some token was trained (a dapo step that
+    # kept no group trains a fully masked one)
+    for key in ("approx_kl", "clipfrac_low", "clipfrac_high", "ratio_max", "entropy"):
+        assert (key in rec) == (rec["kept_groups"] > 0), key
     if not rec["batch_full"]:
         assert any("training on a partially filled batch" in line for line in lines)
     assert (tmp_path / "d" / "curves.png").stat().st_size > 10_000

@@ -8,7 +8,7 @@
             token (- beta * KL shaping)                                whitened over all ranks
 
 grpo / dapo with no KL and no entropy term (`skip_zero_advantage`) forward only the sequences
-whose advantage is not 0 (`trained_rows`): the others add exactly nothing to the loss.
+whose advantage is not 0 (`group_rows`): the others add exactly nothing to the loss.
 
 The loss (`--loss`, a LossConfig preset, default the one named like the algorithm) is the same
 fused `fastrl.policy_loss` for all of them (fastrl/train/update.py).
@@ -21,7 +21,13 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from ..advantages import dynamic_sampling_filter, gae, overlong_penalty, whiten
+from ..advantages import (
+    dynamic_sampling_filter,
+    gae,
+    group_advantages,
+    overlong_penalty,
+    whiten,
+)
 from .common import Batch, gather_rows
 from .config import TrainConfig
 from .rollout import Rollout
@@ -49,6 +55,13 @@ def dapo_keep(rewards: Tensor, group_size: int, room: int) -> Tensor:
     """Sequence indices of (at most `room`) groups whose rewards are not all equal."""
     keep = dynamic_sampling_filter(rewards, group_size)[:room]
     return (keep[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
+def group_rows(cfg: TrainConfig, loss_cfg, rewards: Tensor, mask: Tensor, ref: bool):
+    """grpo / dapo: (advantages (N,) on mask's device: `group_advantages` of the rewards (N,) in
+    groups of group_size, `trained_rows` of them)."""
+    adv = group_advantages(rewards, group_size=cfg.group_size).to(mask.device)
+    return adv, trained_rows(cfg, loss_cfg, adv, mask, ref)
 
 
 def trained_rows(cfg: TrainConfig, loss_cfg, adv: Tensor, mask: Tensor, ref: bool):

@@ -206,7 +206,8 @@ def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:
-    """The --loss preset (default: the one named like --algo) with the run's overrides."""
+    """The --loss preset (default: the one named like --algo) with the run's overrides (the
+    aggregation: --loss-agg, or token-mean for --algo grpo without --loss)."""
     over = {"temperature": cfg.temperature, "entropy_coef": cfg.entropy_coef}
     if cfg.clip_low is not None:
         over["clip_low"] = cfg.clip_low
@@ -215,9 +216,14 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
     if cfg.algo != "ppo" and cfg.kl_coef is not None:  # ppo: kl_coef shapes the reward
         over["kl_coef"] = cfg.kl_coef
     preset = cfg.loss or cfg.algo
-    if preset == "dr_grpo":  # its normaliser is the budget, not the batch's longest
-        over["max_len"] = cfg.max_new_tokens
-    return LossConfig.preset(preset, **over)
+    if cfg.loss_agg is not None:
+        over["agg"] = cfg.loss_agg
+    elif cfg.loss is None and cfg.algo == "grpo":  # the trainer's choice, not the preset's
+        over["agg"] = "token-mean"
+    loss_cfg = LossConfig.preset(preset, **over)
+    if loss_cfg.agg == "seq-mean-token-sum-norm":  # dr_grpo: the normaliser is the budget,
+        loss_cfg = loss_cfg.replace(max_len=cfg.max_new_tokens)  # not the batch's longest
+    return loss_cfg
 
 
 # --------------------------------------------------------------------------- setup
@@ -260,7 +266,8 @@ def build_optimizer(cfg: TrainConfig, policy, critic):
     groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": cfg.critic_lr})
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    opt = torch.optim.AdamW(groups, betas=betas, weight_decay=cfg.weight_decay)
     total = cfg.steps * cfg.epochs * cfg.n_minibatches
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total, cfg.lr_schedule)

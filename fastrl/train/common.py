@@ -4,7 +4,7 @@ that stops training."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,6 @@ class Batch:
     returns: Tensor | None = None  # (N, T) ppo
     old_values: Tensor | None = None  # (N, T) ppo
     trained: Tensor | None = None  # (N,) bool on the host: the rows the update forwards (None: all)
-
-    def select(self, idx: Tensor) -> Batch:
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = (
-                v.select(idx)
-                if isinstance(v, Rollout)
-                else (v[idx] if isinstance(v, Tensor) else v)
-            )
-        return Batch(**kw)
 
 
 def rank_world() -> tuple[int, int]:

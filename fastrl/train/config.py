@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import PRESETS, _is_real
+from ..config import AGGS, PRESETS, _is_real
 
 ALGOS = ("ppo", "grpo", "dapo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -31,6 +31,13 @@ class TrainConfig:
     """The LossConfig preset of the policy loss: ppo, grpo, dapo, dr_grpo, gspo or cispo (None:
     the preset named like --algo). --algo chooses the pipeline (rollout, advantages, critic),
     --loss the loss on it; a preset with a KL term (grpo) loads a frozen reference."""
+
+    loss_agg: str | None = None
+    """How the per-token losses become one number (a LossConfig `agg`: token-mean,
+    seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-sum). None:
+    token-mean for `--algo grpo` with no --loss (every counted token of the step weighs the
+    same, TRL's default loss_type "dapo"; the GRPO paper's per-sequence mean learned more
+    slowly on the side-by-side benchmark), otherwise the --loss preset's own."""
 
     model: str | None = None
     """A local Hugging Face causal LM directory (save_pretrained output). None: the embedded
@@ -150,14 +157,22 @@ class TrainConfig:
     """Micro-batches per optimizer step (gradient accumulation; the loss normaliser is the token
     / sequence count of the whole optimizer step across ranks)."""
 
-    warmup_steps: int = 5
-    """Linear learning-rate warm-up, in optimizer steps."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps (0: none, TRL's default)."""
 
     max_grad_norm: float = 1.0
     """Gradient clipping (global L2 norm)."""
 
     weight_decay: float = 0.0
     """AdamW weight decay."""
+
+    adam_beta1: float = 0.9
+    """AdamW beta1 (the decay of the gradient's running mean)."""
+
+    adam_beta2: float = 0.999
+    """AdamW beta2 (the decay of the squared gradient's running mean; torch's and TRL's default
+    0.999: with 0.99 the step size followed single noisy batches more and learned more slowly
+    on the side-by-side benchmark)."""
 
     kl_coef: float | None = None
     """KL weight beta. grpo: k3 KL in the loss (None = 0.04). ppo: KL-in-reward shaping
@@ -316,6 +331,12 @@ class TrainConfig:
                 raise bad(name, "one of " + ", ".join(choices))
         if self.loss is not None and self.loss not in PRESETS:
             raise bad("loss", "None or a LossConfig preset: " + ", ".join(PRESETS))
+        if self.loss_agg is not None and self.loss_agg not in AGGS:
+            raise bad("loss_agg", "None or one of " + ", ".join(AGGS))
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            if not _is_real(v) or not 0 <= v < 1:
+                raise bad(name, "a number in [0, 1)")
         if self.top_k is not None and (
             not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1
         ):

@@ -71,8 +71,10 @@ class Console:
         if self.bar is None:
             return
         self.bar.update(1)
-        post = {"reward": f"{rec['reward_mean']:.3f}", "entropy": f"{rec['entropy']:.3f}"}
-        post["kl" if "kl" in rec else "approx_kl"] = f"{rec.get('kl', rec['approx_kl']):.4f}"
+        post = {"reward": f"{rec['reward_mean']:.3f}"}
+        if "entropy" in rec:  # absent on a step that trained no token
+            post["entropy"] = f"{rec['entropy']:.3f}"
+            post["kl" if "kl" in rec else "approx_kl"] = f"{rec.get('kl', rec['approx_kl']):.4f}"
         if "eval_accuracy" in rec:
             post["eval"] = f"{rec['eval_accuracy']:.2f}"
         self.bar.set_postfix(post)

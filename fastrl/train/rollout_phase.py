@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..advantages import group_advantages
 from ..losses import logprobs
 from . import algos
 from .common import Batch, all_ranks
@@ -185,8 +184,7 @@ def collect(run: Run, state: TrainState) -> tuple[Batch, dict]:
     kw["lm_head"] = run.fused_lm_head
     adv = trained = None
     if cfg.algo != "ppo":  # grpo / dapo: one advantage per sequence, within its group
-        adv = group_advantages(rewards, group_size=G).to(run.device)
-        trained = algos.trained_rows(cfg, run.loss_cfg, adv, mask, state.ref is not None)
+        adv, trained = algos.group_rows(cfg, run.loss_cfg, rewards, mask, state.ref is not None)
     with run.amp():
         old_logp = _old_logprobs(state.policy, rollout, trained, run.device, **kw)
         ref_logp = sequence_logprobs(state.ref, rollout, **kw) if state.ref is not None else None
@@ -218,7 +216,7 @@ def _sample_and_score(
 ) -> tuple[Rollout, torch.Tensor]:
     """`n_prompts` prompts x group_size samples and their task rewards (stats into st)."""
     cfg = run.cfg
-    ex = run.task.sample(state.task_rng, n_prompts)
+    ex = run.task.sample(state.task_rng, n_prompts, state.task_order)
     t0 = time.perf_counter()
     with run.amp():
         r = generate(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +93,8 @@ class TrainState:
     train_critic: nn.Module | None = None
     step: int = 0
     """RL steps finished."""
+    task_order: list[int] = field(default_factory=list)
+    """A JSONL task's prompts left in the current shuffled epoch (`Task.sample`'s `order`)."""
 
     def models(self) -> dict[str, nn.Module]:
         """The models a checkpoint holds, by file name."""
@@ -106,10 +108,11 @@ class TrainState:
     def rng_state(self) -> dict:
         """Every RNG state of this process (global torch / CUDA, python, numpy, and the run's
         own), JSON-able: what a checkpoint saves, and a snapshot `set_rng_state` restores."""
-        return ckpt_io.rng_state(*self._rngs())
+        return {**ckpt_io.rng_state(*self._rngs()), "task_order": list(self.task_order)}
 
     def set_rng_state(self, state: dict) -> None:
         ckpt_io.set_rng_state(state, *self._rngs())
+        self.task_order[:] = state.get("task_order", [])  # absent: a checkpoint from before
 
     def _rngs(self) -> tuple[dict, dict]:
         return {"sample": self.sample_gen, "shuffle": self.shuffle_gen}, {"task": self.task_rng}

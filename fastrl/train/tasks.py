@@ -45,7 +45,9 @@ class Task:
     name: str = "task"
     reward_fn: RewardFn
 
-    def sample(self, rng: random.Random, n: int) -> list[Example]:
+    def sample(self, rng: random.Random, n: int, order: list[int] | None = None) -> list[Example]:
+        """`n` training examples drawn with `rng`. `order` is the caller's sampler state for a
+        task with a finite list of examples (JSONL): the indices left in the current epoch."""
         raise NotImplementedError
 
     def eval_examples(self, n: int, seed: int) -> list[Example]:
@@ -88,7 +90,8 @@ class ArithmeticTask(Task):
             )
         self.reward_fn = resolve_reward("bracket_format" if fmt else "exact_match")
 
-    def sample(self, rng: random.Random, n: int) -> list[Example]:
+    def sample(self, rng: random.Random, n: int, order: list[int] | None = None) -> list[Example]:
+        """`n` fresh pairs from the generated stream (`order` is not used: it has no epochs)."""
         hi = self.hi
         out = []
         for _ in range(n):
@@ -117,7 +120,8 @@ class ArithmeticTask(Task):
 
 
 class JsonlTask(Task):
-    """A user task: `{"prompt": str, "answer": str}` per line; prompts drawn uniformly."""
+    """A user task: `{"prompt": str, "answer": str}` per line; prompts drawn in shuffled epochs
+    (every line once before any line again, as TRL's sampler does; `sample`)."""
 
     def __init__(self, path: str, reward: str | RewardFn = "exact_match"):
         self.name = os.path.basename(path)
@@ -125,8 +129,19 @@ class JsonlTask(Task):
         self.reward_fn = resolve_reward(reward)
         self.examples = load_jsonl(path)
 
-    def sample(self, rng: random.Random, n: int) -> list[Example]:
-        return [rng.choice(self.examples) for _ in range(n)]
+    def sample(self, rng: random.Random, n: int, order: list[int] | None = None) -> list[Example]:
+        """`n` examples in shuffled epochs: taken from the end of `order` (the indices left in
+        the current epoch, updated in place), which is refilled with a fresh `rng` permutation
+        of every line when empty. Without `order`: n independent uniform draws (replacement)."""
+        if order is None:
+            return [rng.choice(self.examples) for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if not order:
+                order.extend(range(len(self.examples)))
+                rng.shuffle(order)
+            out.append(self.examples[order.pop()])
+        return out
 
     def eval_examples(self, n: int, seed: int) -> list[Example]:
         return self.examples[:n]

@@ -79,23 +79,24 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
     sums, ratio_max, norms = host[: len(SUMS)], host[len(SUMS)], host[len(SUMS) + 1 :]
     norms = norms.view(n_opt, 2)
     _check_finite(sums, norms, state.step + 1, cfg.out)
-    tok = max(sums[_I["tokens"]].item(), 1.0)
     out = {
         "loss": sums[0].item() / n_opt,
-        "entropy": sums[_I["entropy"]].item() / tok,
-        "approx_kl": sums[_I["approx_kl"]].item() / tok,
-        "clipfrac": sums[_I["clipfrac"]].item() / tok,
-        "clipfrac_low": sums[_I["clipfrac_low"]].item() / tok,
-        "clipfrac_high": sums[_I["clipfrac_high"]].item() / tok,
-        "ratio_max": ratio_max.item(),
         "grad_norm": norms[:, 0].mean().item(),
         "lr": sum(lrs) / len(lrs),
     }
-    if batch.ref_logp is not None:  # KL to the reference; approx_kl is the KL to pi_old
-        out["kl"] = sums[_I["kl"]].item() / tok
+    tok = sums[_I["tokens"]].item()
+    # per-token averages over the forwarded tokens: none on a step that forwarded no counted
+    # token (every group uniform, or dapo's fully masked fallback), rather than a false 0
+    if tok > 0:
+        for k in ("entropy", "approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high"):
+            out[k] = sums[_I[k]].item() / tok
+        out["ratio_max"] = ratio_max.item()
+        if batch.ref_logp is not None:  # KL to the reference; approx_kl is the KL to pi_old
+            out["kl"] = sums[_I["kl"]].item() / tok
     if cfg.algo == "ppo":
         out["value_loss"] = sums[_I["value_loss"]].item() / n_opt
-        out["vf_clipfrac"] = sums[_I["vf_clipfrac"]].item() / tok
+        if tok > 0:
+            out["vf_clipfrac"] = sums[_I["vf_clipfrac"]].item() / tok
         out["critic_grad_norm"] = norms[:, 1].mean().item()
     return out
 
