@@ -118,23 +118,6 @@ def test_jsonl_prompts_come_in_shuffled_epochs(tmp_path):
     assert order == []  # 21 draws: exactly 3 epochs used up
 
 
-def test_resume_keeps_the_prompt_epoch(tmp_path):
-    # 6 lines, 4 prompts a step: the epoch ends mid-step, and the checkpoint of step 2 holds
-    # the lines left of an epoch; a resume that lost them would draw other prompts
-    f = _jsonl(tmp_path / "t.jsonl", 6)
-    kw = dict(task=str(f), eval_split=0, save_every=2, warmup_steps=5, num_threads=1)
-    Trainer(tiny(tmp_path / "full", steps=4, **kw), log=quiet).train()
-    Trainer(tiny(tmp_path / "part", steps=2, **kw), log=quiet).train()
-    part = str(tmp_path / "part")
-    Trainer(tiny(tmp_path / "part", steps=4, resume=part, **kw), log=quiet).train()
-    a = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
-    b = read_metrics(str(tmp_path / "part" / "metrics.jsonl"))
-    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
-    for ra, rb in zip(a[3:], b[3:]):
-        for key in ("loss", "entropy", "reward_mean", "response_len"):
-            assert ra[key] == rb[key], key
-
-
 # ----------------------------------------------------------------------- 3. export
 def test_export_from_pretrained_and_model_round_trip(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
