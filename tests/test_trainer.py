@@ -147,8 +147,8 @@ def test_resume_equals_uninterrupted(tmp_path, algo, jsonl):
     # the lr of a --steps 2 run and of a --steps 4 run agree only in a warm-up (the decay ends
     # at --steps): 5 warm-up steps cover all 4
     kw = dict(algo=algo, save_every=2, num_threads=1, warmup_steps=5)
-    if jsonl:  # 6 lines, 4 prompts a step: the checkpoint of step 2 holds the lines left of a
-        # shuffled epoch; a resume that lost them would draw other prompts
+    if jsonl:  # 6 lines, 4 prompts a step: the checkpoint of step 2 holds how far into the
+        # shuffled epochs it was; a resume that lost it would draw other prompts
         f = tmp_path / "t.jsonl"
         f.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n"
                              for a in range(6)))  # fmt: skip

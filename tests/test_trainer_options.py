@@ -106,16 +106,40 @@ def test_held_out_split_is_never_trained_on(tmp_path):
 def test_jsonl_prompts_come_in_shuffled_epochs(tmp_path):
     import random
 
+    from fastrl.train.tasks import EpochOrder
+
     f = _jsonl(tmp_path / "t.jsonl", 7)
     t = Trainer(tiny(tmp_path / "o", task=str(f), eval_split=0), log=quiet)
-    rng, order = random.Random(0), []
-    drawn = [e.prompt for _ in range(7) for e in t.task.sample(rng, 3, order)]  # 3 epochs
+    order = EpochOrder(seed=0)
+    drawn = [e.prompt for _ in range(7) for e in t.task.sample(random.Random(0), 3, order)]
     lines = sorted(e.prompt for e in t.task.examples)
-    epochs = [drawn[i : i + 7] for i in range(0, 21, 7)]
+    epochs = [drawn[i : i + 7] for i in range(0, 21, 7)]  # 21 draws: 3 epochs
     for epoch in epochs:
         assert sorted(epoch) == lines  # every line once before any line again
     assert epochs[0] != epochs[1] or epochs[1] != epochs[2]  # each epoch its own shuffle
-    assert order == []  # 21 draws: exactly 3 epochs used up
+    assert order.drawn == 21
+    assert t.state.task_order.drawn == 0  # the trainer's own order: untouched by this test
+
+
+@pytest.mark.parametrize("lines,world,n", [(8, 2, 4), (7, 3, 2), (5, 2, 3)])
+def test_ranks_split_each_epoch_between_them(lines, world, n):
+    """Ranks in step, each drawing n prompts a step: after every step all ranks together have
+    drawn each line floor or ceil of (draws / lines) times; with world * n == lines, one step
+    is one whole epoch. Ranks that shuffled on their own would draw some lines twice."""
+    from fastrl.train.tasks import EpochOrder
+
+    orders = [EpochOrder(seed=3, rank=r, world=world) for r in range(world)]
+    counts = [0] * lines
+    for step in range(9):
+        for o in orders:
+            for i in o.take(n, lines):
+                counts[i] += 1
+        assert max(counts) - min(counts) <= 1, (step, counts)
+    # a resumed rank (its `drawn` restored) goes on exactly where it was
+    again = EpochOrder(seed=3, rank=world - 1, world=world, drawn=orders[-1].drawn)
+    assert again.take(2 * n, lines) == orders[-1].take(2 * n, lines)
+    with pytest.raises(ValueError, match="rank must be in"):
+        EpochOrder(seed=0, rank=world, world=world)
 
 
 # ----------------------------------------------------------------------- 3. export

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt_io
+from .tasks import EpochOrder
 
 if TYPE_CHECKING:
     from ..config import LossConfig
@@ -93,8 +94,9 @@ class TrainState:
     train_critic: nn.Module | None = None
     step: int = 0
     """RL steps finished."""
-    task_order: list[int] = field(default_factory=list)
-    """A JSONL task's prompts left in the current shuffled epoch (`Task.sample`'s `order`)."""
+    task_order: EpochOrder = field(default_factory=lambda: EpochOrder(0))
+    """Where this rank is in a JSONL task's shuffled epochs (`Task.sample`'s `order`), the
+    epochs shared by all ranks."""
 
     def models(self) -> dict[str, nn.Module]:
         """The models a checkpoint holds, by file name."""
@@ -108,11 +110,11 @@ class TrainState:
     def rng_state(self) -> dict:
         """Every RNG state of this process (global torch / CUDA, python, numpy, and the run's
         own), JSON-able: what a checkpoint saves, and a snapshot `set_rng_state` restores."""
-        return {**ckpt_io.rng_state(*self._rngs()), "task_order": list(self.task_order)}
+        return {**ckpt_io.rng_state(*self._rngs()), "task_drawn": self.task_order.drawn}
 
     def set_rng_state(self, state: dict) -> None:
         ckpt_io.set_rng_state(state, *self._rngs())
-        self.task_order[:] = state.get("task_order", [])  # absent: a checkpoint from before
+        self.task_order.drawn = int(state.get("task_drawn", 0))  # absent: an older checkpoint
 
     def _rngs(self) -> tuple[dict, dict]:
         return {"sample": self.sample_gen, "shuffle": self.shuffle_gen}, {"task": self.task_rng}

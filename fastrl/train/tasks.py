@@ -45,9 +45,9 @@ class Task:
     name: str = "task"
     reward_fn: RewardFn
 
-    def sample(self, rng: random.Random, n: int, order: list[int] | None = None) -> list[Example]:
+    def sample(self, rng: random.Random, n: int, order: EpochOrder | None = None) -> list[Example]:
         """`n` training examples drawn with `rng`. `order` is the caller's sampler state for a
-        task with a finite list of examples (JSONL): the indices left in the current epoch."""
+        task with a finite list of examples (JSONL): where this rank is in the shuffled epochs."""
         raise NotImplementedError
 
     def eval_examples(self, n: int, seed: int) -> list[Example]:
@@ -90,7 +90,7 @@ class ArithmeticTask(Task):
             )
         self.reward_fn = resolve_reward("bracket_format" if fmt else "exact_match")
 
-    def sample(self, rng: random.Random, n: int, order: list[int] | None = None) -> list[Example]:
+    def sample(self, rng: random.Random, n: int, order: EpochOrder | None = None) -> list[Example]:
         """`n` fresh pairs from the generated stream (`order` is not used: it has no epochs)."""
         hi = self.hi
         out = []
@@ -119,6 +119,43 @@ class ArithmeticTask(Task):
         return "0123456789=" + self.ops + ("[]" if self.fmt else "")
 
 
+class EpochOrder:
+    """Where one rank is in a finite task's shuffled epochs, the same epochs on every rank.
+
+    The epochs form one stream of line indices: epoch e is a permutation of range(lines) drawn
+    from (seed, e) alone, so every rank computes the same one, and rank r of `world` takes the
+    stream's positions r, r + world, r + 2 * world, ...  The ranks thus split each epoch
+    between them: together they draw every line once before any line again (as TRL's sampler
+    splits one shuffled order over its processes), and no two ranks draw the same line of an
+    epoch. `drawn` (how many positions this rank has taken) is the whole state a checkpoint
+    keeps; the permutation of the current epoch is a cache."""
+
+    def __init__(self, seed: int, rank: int = 0, world: int = 1, drawn: int = 0):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        self.seed, self.rank, self.world, self.drawn = seed, rank, world, drawn
+        self._epoch: tuple[int, int, list[int]] | None = None  # (epoch, lines, permutation)
+
+    def epoch(self, e: int, lines: int) -> list[int]:
+        """Epoch `e`'s permutation of range(lines) (the same on every rank)."""
+        if self._epoch is None or self._epoch[:2] != (e, lines):
+            perm = list(range(lines))
+            random.Random(f"fastrl-epoch:{self.seed}:{e}").shuffle(perm)
+            self._epoch = (e, lines, perm)
+        return self._epoch[2]
+
+    def take(self, n: int, lines: int) -> list[int]:
+        """This rank's next `n` line indices (of `lines`), advancing `drawn`."""
+        if lines < 1:
+            raise ValueError("a task with no lines has nothing to draw")
+        out = []
+        for _ in range(n):
+            e, i = divmod(self.rank + self.world * self.drawn, lines)
+            out.append(self.epoch(e, lines)[i])
+            self.drawn += 1
+        return out
+
+
 class JsonlTask(Task):
     """A user task: `{"prompt": str, "answer": str}` per line; prompts drawn in shuffled epochs
     (every line once before any line again, as TRL's sampler does; `sample`)."""
@@ -129,19 +166,12 @@ class JsonlTask(Task):
         self.reward_fn = resolve_reward(reward)
         self.examples = load_jsonl(path)
 
-    def sample(self, rng: random.Random, n: int, order: list[int] | None = None) -> list[Example]:
-        """`n` examples in shuffled epochs: taken from the end of `order` (the indices left in
-        the current epoch, updated in place), which is refilled with a fresh `rng` permutation
-        of every line when empty. Without `order`: n independent uniform draws (replacement)."""
+    def sample(self, rng: random.Random, n: int, order: EpochOrder | None = None) -> list[Example]:
+        """`n` examples in shuffled epochs: this rank's next `n` lines of `order` (advanced in
+        place; `rng` is not used). Without `order`: n independent uniform draws of `rng`."""
         if order is None:
             return [rng.choice(self.examples) for _ in range(n)]
-        out = []
-        for _ in range(n):
-            if not order:
-                order.extend(range(len(self.examples)))
-                rng.shuffle(order)
-            out.append(self.examples[order.pop()])
-        return out
+        return [self.examples[i] for i in order.take(n, len(self.examples))]
 
     def eval_examples(self, n: int, seed: int) -> list[Example]:
         return self.examples[:n]
