@@ -63,6 +63,23 @@ from .softmax import (
 
 
 @triton.jit
+def _row_ptr(base_ptr, row, T, stride_b, stride_t):
+    # The first element of flat row `row` (int64) = (b, t) of a (B, T, V) tensor with strides
+    # (stride_b, stride_t, 1): a strided view such as logits[:, :-1] is addressed in place.
+    b = row // T
+    return base_ptr + b * stride_b + (row - b * T) * stride_t
+
+
+@triton.jit
+def _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP: tl.constexpr):
+    # 1 / tau of row `row`: its own 1 / tau_t from inv_temp_ptr with ROW_TEMP (a temperature
+    # per token), else the scalar inv_temp (the pointer is then a dummy, never read).
+    if ROW_TEMP:
+        inv_temp = tl.load(inv_temp_ptr + row)
+    return inv_temp
+
+
+@triton.jit
 def _token_stats_fwd_kernel(
     logits_ptr,  # (B, T, V) fp32 / bf16 / fp16, stride over V is 1
     tokens_ptr,  # (B * T,) int32 / int64, contiguous
@@ -83,11 +100,8 @@ def _token_stats_fwd_kernel(
     # (_token_stats_slice), so that H = log s - w / s has no cancellation (both terms >= 0)
     # whatever the offset of the logits or the temperature.
     row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row - b * T
-    row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
-    if ROW_TEMP:  # z'_j = z_j / tau_t with this row's own temperature
-        inv_temp = tl.load(inv_temp_ptr + row)
+    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
     m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
     _token_stats_store(
         row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
@@ -148,11 +162,8 @@ def _token_stats_split_fwd_kernel(
     # _token_stats_slice; _token_stats_merge_fwd_kernel combines them per row.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
-    b = row // T
-    t = row - b * T
-    row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
-    if ROW_TEMP:  # z'_j = z_j / tau_t with this row's own temperature
-        inv_temp = tl.load(inv_temp_ptr + row)
+    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     m, s, w, n_nan = _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V)
@@ -183,11 +194,8 @@ def _token_stats_merge_fwd_kernel(
     # row's SPLITS partials, BLOCK_S at a time, then the outputs of _token_stats_fwd_kernel
     # (the partials are already in z' units; inv_temp scales z_y only).
     row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row - b * T
-    row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
-    if ROW_TEMP:
-        inv_temp = tl.load(inv_temp_ptr + row)
+    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
     m, s, w, n_nan = _lse_init()
     ks = tl.arange(0, BLOCK_S)
     for start in range(0, SPLITS, BLOCK_S):
@@ -225,10 +233,8 @@ def _token_stats_bwd_kernel(
     # - h p_j (log p_j + H)] with log p_j = z'_j - lse, BLOCK_V columns at a time (tau = tau_t,
     # the row's own temperature, with ROW_TEMP; lse and H were computed with it).
     row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row - b * T
-    row_ptr = logits_ptr + b * stride_logits_b + t * stride_logits_t
-    out_ptr = grad_ptr + b * stride_grad_b + t * stride_grad_t
+    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+    out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
     cols = tl.arange(0, BLOCK_V)
 
     g = tl.load(grad_logp_ptr + row)
@@ -249,8 +255,7 @@ def _token_stats_bwd_kernel(
         lse = tl.load(lse_ptr + row)
         entropy = tl.load(entropy_ptr + row)
         y = tl.load(tokens_ptr + row).to(tl.int64)
-        if ROW_TEMP:
-            inv_temp = tl.load(inv_temp_ptr + row)
+        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             valid = offs < V
