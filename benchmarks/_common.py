@@ -3,14 +3,23 @@
 Stable API (other benchmarks import it):
     device_info(device)              -> dict: device name, torch / triton versions, git commit
     time_fn(fn, warmup, rep, device) -> dict(median, q20, q80) in milliseconds
+    quantiles(times)                 -> the same dict of a list of times
     peak_memory(fn, device)          -> dict(bytes, method): peak extra memory of one call
     write_results(name, rows, meta)  -> paths of <name>.json and <name>.csv in benchmarks/results/
     plot_bars(path, rows, ...)       -> bar charts of time and memory per method (PNG)
     plot_cases(path, rows, ...)      -> one row of horizontal bar charts per case (shape, dtype),
                                         error bars from each row's q20 / q80 (PNG)
     cpu_malloc_env() / ensure_cpu_malloc_env() -> env / re-exec for CPU peak-memory runs
+    memory_in_child / case_memory   -> {method: peak memory} from a --memory-only child process
     cpu_rates(numel)                 -> dict: measured copy bandwidth (GB/s) and exp rate (1/s)
     progress(total, desc, disable)   -> a tqdm bar on stderr (a no-op stand-in without tqdm)
+
+Command line and results flow (what every bench_*.py script shares):
+    bench_parser / add_reps / add_run_args / add_out_arg -> the shared options, same help
+    parse_bench_args / fill_reps / parse_dtypes / choose_shapes -> what those options resolve to
+    save_results(name, rows, meta, args, plot) -> results files (+ PNG unless --no-plot)
+    save_cases(name, rows, meta, args, case_of, panels, title) -> the same with a plot_cases PNG
+    measure_peaks / time_rows / save_bars -> the flow of the one-op benchmarks (gae, sample)
 
 Timing: on CUDA triton.testing.do_bench (warmup / rep in ms, quantiles 0.5 / 0.2 / 0.8); on CPU
 a time.perf_counter loop of `rep` calls after `warmup` calls.
@@ -27,6 +36,7 @@ a separate process from CPU timing (that malloc setting slows big allocations do
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import gc
@@ -42,6 +52,7 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEAK_BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM peak, GB/s
 
 
@@ -123,6 +134,15 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def quantiles(times: list[float]) -> dict:
+    """{"median", "q20", "q80"} of a list of times (the form time_fn returns)."""
+    return {
+        "median": statistics.median(times),
+        "q20": _quantile(times, 0.2),
+        "q80": _quantile(times, 0.8),
+    }
+
+
 def time_fn(fn, warmup: int = 1, rep: int = 5, device: str | torch.device = "cpu") -> dict:
     """Median and 20 / 80 % quantiles of fn()'s wall time in ms.
 
@@ -140,11 +160,7 @@ def time_fn(fn, warmup: int = 1, rep: int = 5, device: str | torch.device = "cpu
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {
-        "median": statistics.median(times),
-        "q20": _quantile(times, 0.2),
-        "q80": _quantile(times, 0.8),
-    }
+    return quantiles(times)
 
 
 def _proc_status(key: str) -> int:
@@ -189,14 +205,21 @@ def cpu_malloc_env() -> dict:
     return dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
 
 
-def memory_in_child(script: str | Path, argv: list[str]) -> dict:
-    """Run `script argv --memory-only` in a child process with `cpu_malloc_env()` and return the
-    JSON object its last stdout line holds ({method: peak_memory(...)} by convention)."""
-    cmd = [sys.executable, str(script), *argv, "--memory-only"]
+def memory_in_child(script: str | Path, argv: list[str], flag: str = "--memory-only") -> dict:
+    """Run `script argv flag` in a child process with `cpu_malloc_env()` and return the JSON
+    object its last stdout line holds ({method: peak_memory(...)} by convention)."""
+    cmd = [sys.executable, str(script), *argv, flag]
     res = subprocess.run(cmd, env=cpu_malloc_env(), capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"memory child failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def case_memory(bar, label: str, script: str | Path, argv: list[str]) -> dict:
+    """memory_in_child(script, argv) for one case of a CPU run: {method: peak memory}, measured
+    by a --memory-only child process while the progress bar `bar` says so."""
+    bar.set_postfix_str(f"{label}: peak memory (child process)")
+    return memory_in_child(Path(script).resolve(), argv)
 
 
 def ensure_cpu_malloc_env() -> None:
@@ -219,15 +242,31 @@ def write_results(name: str, rows: list[dict], meta: dict, out_dir: Path | None 
     return {"json": str(json_path), "csv": str(csv_path)}
 
 
-def plot_bars(
-    path: Path | str, rows: list[dict], label: str, panels: list[tuple[str, str]], title: str = ""
-) -> str:
-    """One bar chart per (key, axis label) in `panels`, bars labelled by row[label]. PNG."""
+def _pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (files only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save_figure(fig, path: Path | str, title: str, dpi: int) -> str:
+    """Give `fig` its suptitle (when `title`), save it to `path` as PNG, close it; the path."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return str(path)
+
+
+def plot_bars(
+    path: Path | str, rows: list[dict], label: str, panels: list[tuple[str, str]], title: str = ""
+) -> str:
+    """One bar chart per (key, axis label) in `panels`, bars labelled by row[label]. PNG."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     axes = [axes] if len(panels) == 1 else axes
     names = [str(r[label]) for r in rows]
@@ -237,12 +276,7 @@ def plot_bars(
         ax.bar_label(bars, fmt="%.0f")
         ax.set_ylabel(ylabel)
         ax.tick_params(axis="x", rotation=15)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return _save_figure(fig, path, title, dpi=120)
 
 
 def _short(v) -> str:
@@ -265,11 +299,7 @@ def plot_cases(
     bars are labelled by row[label]. Each panel is (key, axis label) or (key, axis label,
     (lo_key, hi_key)): the latter draws error bars from row[lo_key] to row[hi_key] (e.g. the
     q20 / q80 of a median). Missing values draw no bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     cases: dict[str, list[dict]] = {}
     for r in rows:
         cases.setdefault(case_of(r), []).append(r)
@@ -304,12 +334,7 @@ def plot_cases(
             ax.tick_params(axis="both", labelsize=7)
             ax.set_title(case, fontsize=8)
             ax.margins(x=0.2)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+    return _save_figure(fig, path, title, dpi=100)
 
 
 @contextlib.contextmanager
@@ -372,3 +397,172 @@ def progress(total: int, desc: str = "", disable: bool = False):
     except ImportError:  # pragma: no cover
         return _NoBar()
     return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------- command line
+# The options and steps every bench_*.py script shares. Each script keeps its own options (shapes,
+# methods, ...) and its own help text where the meaning differs; these helpers add the rest.
+def bench_parser(
+    prog: str, doc: str, device_help: str = "cpu, cuda or auto (cuda when available)"
+) -> argparse.ArgumentParser:
+    """A parser whose --help shows `doc` (the script's docstring) as written, with --device
+    (default auto, see parse_bench_args) as its first option."""
+    p = argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", default="auto", help=device_help)
+    return p
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> tuple:
+    """(the parsed options, the torch.device of --device: "auto" is cuda when available)."""
+    args = parser.parse_args(argv)
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return args, torch.device(name)
+
+
+def add_reps(p: argparse.ArgumentParser, cpu_warmup: str, cpu_rep: str) -> None:
+    """--warmup / --rep, default None (see fill_reps): on the CPU numbers of calls, as the help
+    texts `cpu_warmup` / `cpu_rep` say; on CUDA milliseconds for do_bench (25 / 100)."""
+    p.add_argument(
+        "--warmup", type=int, default=None, help=f"CPU: {cpu_warmup}; CUDA: ms for do_bench (25)"
+    )
+    p.add_argument(
+        "--rep", type=int, default=None, help=f"CPU: {cpu_rep}; CUDA: ms for do_bench (100)"
+    )
+
+
+def fill_reps(args, cuda: bool, cpu_warmup: int, cpu_rep: int) -> None:
+    """Set the --warmup / --rep left unset: do_bench's 25 / 100 ms on CUDA, else these calls."""
+    if args.warmup is None:
+        args.warmup = 25 if cuda else cpu_warmup
+    if args.rep is None:
+        args.rep = 100 if cuda else cpu_rep
+
+
+def add_out_arg(p: argparse.ArgumentParser, name: str) -> None:
+    """--out: the results folder (default benchmarks/results/), files <name>_<device>.*."""
+    p.add_argument(
+        "--out",
+        default=str(RESULTS_DIR),
+        help=f"results folder (default benchmarks/results/); files {name}_<device>.*",
+    )
+
+
+def add_run_args(
+    p: argparse.ArgumentParser,
+    name: str,
+    quick_help: str,
+    progress: bool = True,
+    memory_only: bool = True,
+) -> None:
+    """The options that close a benchmark's list: --no-plot, --no-progress (when `progress`),
+    --quick (help `quick_help`), --out (add_out_arg) and, when `memory_only`, the hidden
+    --memory-only of the child process that measures CPU peak memory (memory_in_child)."""
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    add_out_arg(p, name)
+    if memory_only:
+        p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """A --dtype comma list ("fp32,bf16") as names, each checked against DTYPES."""
+    dtypes = text.split(",")
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise SystemExit(f"--dtype: unknown {bad}; choose from {list(DTYPES)}")
+    return dtypes
+
+
+def shapes_text(shapes) -> str:
+    """[(16, 128, 32000), (8, 128, 151936)] -> "16x128x32000,8x128x151936" (--shapes syntax)."""
+    return ",".join("x".join(map(str, s)) for s in shapes)
+
+
+def choose_shapes(args, one, cuda: bool, cpu_shapes, cuda_shapes, quick_shapes) -> list[tuple]:
+    """The shapes to run: [one] when the single-shape options gave one (else None), else the
+    --shapes list ("16x128x32000,..."), else the --quick, CUDA or CPU default list."""
+    if one is not None:
+        return [one]
+    if args.shapes:
+        return [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    return quick_shapes if args.quick else cuda_shapes if cuda else cpu_shapes
+
+
+# ---------------------------------------------------------------------------- results
+TOTAL_MS_PANEL = ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80"))
+
+
+def save_results(name: str, rows: list[dict], meta: dict, args, plot=None) -> dict:
+    """write_results(name, rows, meta) into --out; then, unless --no-plot or there are no rows,
+    plot(<out>/<name>.png) draws the PNG (and returns its path). The paths written."""
+    out = Path(args.out)
+    paths = write_results(name, rows, meta, out)
+    if plot is not None and rows and not args.no_plot:
+        paths["png"] = plot(out / f"{name}.png")
+    return paths
+
+
+def save_cases(
+    name, rows, meta, args, case_of, panels, title, label="method", plot_rows=None
+) -> dict:
+    """save_results with a plot_cases PNG of `plot_rows` (default: all rows; none: no PNG): one
+    figure row per case_of(row), bars labelled by row[label], titled "<title>; <the machine,
+    torch version and commit of meta>" (meta holds device_info's fields)."""
+    plot_rows = rows if plot_rows is None else plot_rows
+    title = (
+        f"{title}; {meta['device_name'][:40]}, torch {meta['torch']}, commit "
+        f"{str(meta['git_commit'])[:7]}"
+    )
+    plot = lambda png: plot_cases(png, plot_rows, case_of, label, panels, title)  # noqa: E731
+    return save_results(name, rows, meta, args, plot if plot_rows else None)
+
+
+# ---------------------------------------------------------------------------- one-op benchmarks
+# bench_gae.py and bench_sample.py: a few methods of one call each, timed and measured alike.
+def measure_peaks(calls: dict, device, script=None, argv=()) -> tuple[dict, str]:
+    """({name: peak extra bytes of one calls[name]()}, how it was measured). On the CPU with a
+    `script`: in a child process, `script argv --memory-child` (whose own call, without a
+    script, measures inline and prints the dict; see memory_in_child); else inline here."""
+    if torch.device(device).type == "cuda":
+        how = "CUDA max_memory_allocated delta"
+    else:
+        how = "RSS high-water mark delta in a child with MALLOC_MMAP_THRESHOLD_=65536"
+        if script is not None:
+            return memory_in_child(script, list(argv), flag="--memory-child"), how
+    return {name: peak_memory(fn, device)["bytes"] for name, fn in calls.items()}, how
+
+
+def time_rows(calls: dict, reps: dict, device, peaks: dict, **shape) -> list[dict]:
+    """One row per call: time_fn with warm-up 25 ms (CUDA) / 1 call (CPU) and reps[name] ms /
+    calls, then method, the `shape` fields, median / q20 / q80 ms (3 decimals) and peak MB of
+    peaks[name] bytes (1 decimal). Each row is printed as it is done."""
+    cuda = torch.device(device).type == "cuda"
+    rows = []
+    for name, fn in calls.items():
+        t = time_fn(fn, 25, reps[name], "cuda") if cuda else time_fn(fn, 1, reps[name])
+        rows.append(
+            {
+                "method": name,
+                **shape,
+                "median_ms": round(t["median"], 3),
+                "q20_ms": round(t["q20"], 3),
+                "q80_ms": round(t["q80"], 3),
+                "peak_MB": round(peaks[name] / 2**20, 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def save_bars(name: str, rows: list[dict], meta: dict, out, title: str) -> dict:
+    """write_results into `out` and a PNG of median time and peak memory per method; the paths."""
+    paths = write_results(name, rows, meta, Path(out))
+    panels = [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")]
+    paths["png"] = plot_bars(Path(out) / f"{name}.png", rows, "method", panels, title=title)
+    return paths

@@ -49,7 +49,6 @@ Results: <out>/bench_fused_linear_<device>.{json,csv,png}; `python benchmarks/re
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -62,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")  # Dynamo tracing TRL's helpers
+import _common as common  # noqa: E402
 from _baselines import (  # noqa: E402
     BETA,
     EPS_HIGH,
@@ -70,21 +70,9 @@ from _baselines import (  # noqa: E402
     trl_chunked_logprobs,
     trl_grpo_math,
 )
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    device_info,
-    memory_in_child,
-    peak_memory,
-    plot_cases,
-    progress,
-    run_env,
-    time_fn,
-    write_results,
-)
 
 import fastrl  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR = "gemm-floor"
 MEM_BASELINE = "matmul+trl-eager"
 MASKED = " (90% masked)"
@@ -238,7 +226,7 @@ def measure_memory(step, hidden, weight, device):
         h.grad = w.grad = None
         step(h, w)
 
-    return peak_memory(once, device)
+    return common.peak_memory(once, device)
 
 
 def run(name, step, hidden, weight, case, args, device, mem):
@@ -259,9 +247,9 @@ def run(name, step, hidden, weight, case, args, device, mem):
     slow = device.type != "cuda" and first_ms > args.slow_ms
     warmup = max(args.warmup - 1, 0) if device.type != "cuda" else args.warmup
     rep = min(args.slow_rep, args.rep) if slow else args.rep
-    t = time_fn(fwd_bwd, warmup=warmup, rep=rep, device=device)
+    t = common.time_fn(fwd_bwd, warmup=warmup, rep=rep, device=device)
     flops = 6 * N * H * V
-    itemsize = DTYPES[dtype].itemsize
+    itemsize = common.DTYPES[dtype].itemsize
     row = {
         "method": name,
         "role": "floor"
@@ -292,12 +280,7 @@ def run(name, step, hidden, weight, case, args, device, mem):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="bench_fused_linear.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p = common.bench_parser("bench_fused_linear.py", __doc__)
     p.add_argument(
         "--N",
         type=int,
@@ -309,31 +292,20 @@ def build_parser():
     p.add_argument(
         "--shapes",
         default=None,
-        help="comma list of NxH shapes (default CPU: "
-        + ",".join("x".join(map(str, s)) for s in CPU_SHAPES)
-        + "; CUDA: "
-        + ",".join("x".join(map(str, s)) for s in CUDA_SHAPES)
-        + ")",
+        help=f"comma list of NxH shapes (default CPU: {common.shapes_text(CPU_SHAPES)}; CUDA: "
+        f"{common.shapes_text(CUDA_SHAPES)})",
     )
     p.add_argument("--V", type=int, default=None, help="vocabulary (default 32000; 151936 on CUDA)")
     p.add_argument("--T", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument(
         "--dtype",
         default=None,
-        help=f"comma list from {','.join(DTYPES)} (default fp32,bf16 on CPU, bf16 on CUDA)",
+        help=f"comma list from {','.join(common.DTYPES)} (default fp32,bf16 on CPU, bf16 on CUDA)",
     )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="CPU: untimed calls before the timing, the loss-value call included (default 1); "
-        "CUDA: ms for do_bench (25)",
-    )
-    p.add_argument(
-        "--rep",
-        type=int,
-        default=None,
-        help="CPU: timed calls (default 7); CUDA: ms for do_bench (100)",
+    common.add_reps(
+        p,
+        "untimed calls before the timing, the loss-value call included (default 1)",
+        "timed calls (default 7)",
     )
     p.add_argument(
         "--slow-rep",
@@ -351,54 +323,33 @@ def build_parser():
         "fastrl rows on the 90%%-masked batch, needs those rows)",
     )
     p.add_argument("--no-liger", action="store_true", help="skip the liger-fused-linear row")
-    p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke run: N=64, H=32, V=512, T=16, fp32 and bf16, 1 warm-up and 2 timed "
+    common.add_run_args(
+        p,
+        "bench_fused_linear",
+        "tiny smoke run: N=64, H=32, V=512, T=16, fp32 and bf16, 1 warm-up and 2 timed "
         "calls (unless --warmup / --rep / --V / --T say otherwise); for tests",
     )
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_fused_linear_<device>.*",
-    )
-    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def resolve(args, device, raw_argv):
     cuda = device.type == "cuda"
+    one = None
     if args.N is not None or args.H is not None:
-        shapes = [(args.N or DEFAULT_N, args.H or DEFAULT_H)]
-    elif args.shapes:
-        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",") if s]
-    elif args.quick:
-        shapes = QUICK_SHAPES
-    else:
-        shapes = CUDA_SHAPES if cuda else CPU_SHAPES
+        one = (args.N or DEFAULT_N, args.H or DEFAULT_H)
+    shapes = common.choose_shapes(args, one, cuda, CPU_SHAPES, CUDA_SHAPES, QUICK_SHAPES)
     if args.V is None:
         args.V = 512 if args.quick else (151936 if cuda else 32000)
     if args.quick and not any(a == "--T" or a.startswith("--T=") for a in raw_argv):
         args.T = 16
-    dtypes = (args.dtype or ("bf16" if cuda else "fp32,bf16")).split(",")
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        raise SystemExit(f"--dtype: unknown {bad}; choose from {list(DTYPES)}")
-    if args.warmup is None:
-        args.warmup = 25 if cuda else 1
-    if args.rep is None:
-        args.rep = 100 if cuda else (2 if args.quick else 7)
+    dtypes = common.parse_dtypes(args.dtype or ("bf16" if cuda else "fp32,bf16"))
+    common.fill_reps(args, cuda, 1, 2 if args.quick else 7)
     return [(n, h, args.V, d) for (n, h) in shapes for d in dtypes]
 
 
 def main(argv=None):
     raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(raw_argv)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    args, device = common.parse_bench_args(build_parser(), raw_argv)
     cuda = device.type == "cuda"
     cases = resolve(args, device, raw_argv)
     notes: dict[str, str] = {}
@@ -406,7 +357,8 @@ def main(argv=None):
     if args.memory_only:  # child of a CPU run: {method: peak memory} of its one case, one line
         (case,) = cases
         N, H, V, dtype = case
-        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, DTYPES[dtype], device)
+        dt = common.DTYPES[dtype]
+        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, dt, device)
         methods = build_methods(hidden, weight, li, full, masked, args, notes)
         mems = {
             name: measure_memory(step, hidden, weight, device) for name, step in methods.items()
@@ -414,21 +366,19 @@ def main(argv=None):
         print(json.dumps(mems))
         return mems
 
-    info = device_info(device)
+    info = common.device_info(device)
     probe = make_inputs(16, 8, 32, 16, torch.float32, device)
     n_methods = len(build_methods(*probe, args, {}))
-    bar = progress(len(cases) * n_methods, "bench_fused_linear", disable=args.no_progress)
+    bar = common.progress(len(cases) * n_methods, "bench_fused_linear", disable=args.no_progress)
     rows, mem_method = [], ""
     for case in cases:
         N, H, V, dtype = case
         label = f"N={N} H={H} V={V} {dtype}"
-        mems = {}
-        if not cuda:
-            bar.set_postfix_str(f"{label}: peak memory (child process)")
-            child_argv = [*raw_argv, "--N", str(N), "--H", str(H), "--V", str(V), "--dtype", dtype]
-            child_argv += ["--T", str(args.T)]
-            mems = memory_in_child(Path(__file__).resolve(), child_argv)
-        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, DTYPES[dtype], device)
+        child_argv = [*raw_argv, "--N", str(N), "--H", str(H), "--V", str(V), "--dtype", dtype]
+        child_argv += ["--T", str(args.T)]
+        mems = {} if cuda else common.case_memory(bar, label, __file__, child_argv)
+        dt = common.DTYPES[dtype]
+        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, dt, device)
         methods = build_methods(hidden, weight, li, full, masked, args, notes)
         case_rows = []
         for name, step in methods.items():
@@ -475,25 +425,18 @@ def main(argv=None):
         "memory_method": mem_method,
         "nominal_flops": "6 * N * H * V (forward GEMM and the two gradient GEMMs), all rows",
         "threads": torch.get_num_threads(),
-        "env": run_env(),
+        "env": common.run_env(),
         "notes": notes,
     }
-    name = f"bench_fused_linear_{device.type}"
-    out = Path(args.out)
-    paths = write_results(name, rows, meta, out)
-    if not args.no_plot:
-        paths["png"] = plot_cases(
-            out / f"{name}.png",
-            rows,
-            lambda r: f"N={r['N']}, H={r['H']}, V={r['V']}, {r['dtype']}",
-            "method",
-            [
-                ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80")),
-                ("peak_MB", "peak memory (MB)"),
-            ],
-            f"GRPO loss from hidden states (LM head fused), fwd+bwd; {info['device_name'][:40]}, "
-            f"torch {info['torch']}, commit {str(info['git_commit'])[:7]}",
-        )
+    paths = common.save_cases(
+        f"bench_fused_linear_{device.type}",
+        rows,
+        meta,
+        args,
+        lambda r: f"N={r['N']}, H={r['H']}, V={r['V']}, {r['dtype']}",
+        [common.TOTAL_MS_PANEL, ("peak_MB", "peak memory (MB)")],
+        "GRPO loss from hidden states (LM head fused), fwd+bwd",
+    )
     print(paths)
     return rows
 

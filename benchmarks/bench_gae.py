@@ -22,21 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    device_info,
-    peak_memory,
-    plot_bars,
-    time_fn,
-    write_results,
-)
+from _common import add_out_arg, device_info, measure_peaks, save_bars, time_rows  # noqa: E402
 
 import fastrl  # noqa: E402
 
@@ -70,24 +62,23 @@ def make_inputs(B, T, device, seed=0):
     return rewards.to(device), values.to(device), mask.to(device)
 
 
-def methods(args):
+def methods(args, r, v, m) -> dict:
+    """name -> () -> one call on (r, v, m); the loop left out with --skip-loop."""
     gamma, lam = 1.0, 0.95
-    return {
-        "python-loop": lambda r, v, m: loop_gae(r, v, m.float(), gamma, lam),
-        "fastrl.gae": lambda r, v, m: fastrl.gae(r, v, m, gamma, lam, check=False),
+    calls = {
+        "python-loop": lambda: loop_gae(r, v, m.float(), gamma, lam),
+        "fastrl.gae": lambda: fastrl.gae(r, v, m, gamma, lam, check=False),
     }
+    if args.skip_loop:
+        del calls["python-loop"]
+    return calls
 
 
 def memory_child(args) -> None:
     """Run in a child process: print {method: peak bytes} as JSON."""
     torch.set_num_threads(args.threads)
-    r, v, m = make_inputs(args.B, args.T, args.device)
-    out = {}
-    for name, fn in methods(args).items():
-        if name == "python-loop" and args.skip_loop:
-            continue
-        out[name] = peak_memory(lambda fn=fn: fn(r, v, m), args.device)["bytes"]
-    print(json.dumps(out))
+    calls = methods(args, *make_inputs(args.B, args.T, args.device))
+    print(json.dumps(measure_peaks(calls, args.device)[0]))
 
 
 def main() -> None:
@@ -104,11 +95,7 @@ def main() -> None:
         help="torch CPU threads for both methods (default: all cores; 1 on a shared machine)",
     )
     p.add_argument("--skip-loop", action="store_true")
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_gae_<device>.*",
-    )
+    add_out_arg(p, "bench_gae")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_child:
@@ -125,41 +112,13 @@ def main() -> None:
     else:
         max_err = None
 
-    if cuda:
-        peaks = {
-            name: peak_memory(lambda fn=fn: fn(r, v, m), args.device)["bytes"]
-            for name, fn in methods(args).items()
-            if not (name == "python-loop" and args.skip_loop)
-        }
-    else:
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        child = [sys.executable, __file__, "--memory-child", "--device", args.device]
-        child += ["--B", str(args.B), "--T", str(args.T), "--threads", str(args.threads)]
-        child += ["--skip-loop"] if args.skip_loop else []
-        res = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
-        peaks = json.loads(res.stdout.strip().splitlines()[-1])
-
-    rows = []
-    for name, fn in methods(args).items():
-        if name == "python-loop" and args.skip_loop:
-            continue
-        slow = name == "python-loop"
-        if cuda:
-            t = time_fn(lambda fn=fn: fn(r, v, m), 25, args.rep or (500 if slow else 100), "cuda")
-        else:
-            t = time_fn(lambda fn=fn: fn(r, v, m), 1, args.loop_rep if slow else (args.rep or 10))
-        rows.append(
-            {
-                "method": name,
-                "B": args.B,
-                "T": args.T,
-                "median_ms": round(t["median"], 3),
-                "q20_ms": round(t["q20"], 3),
-                "q80_ms": round(t["q80"], 3),
-                "peak_MB": round(peaks[name] / 2**20, 1),
-            }
-        )
-        print(rows[-1], flush=True)
+    calls = methods(args, r, v, m)
+    child = ["--device", args.device, "--B", str(args.B), "--T", str(args.T)]
+    child += ["--threads", str(args.threads)] + (["--skip-loop"] if args.skip_loop else [])
+    peaks, memory_method = measure_peaks(calls, args.device, __file__, child)
+    reps = {"python-loop": (args.rep or 500) if cuda else args.loop_rep}
+    reps["fastrl.gae"] = args.rep or (100 if cuda else 10)
+    rows = time_rows(calls, reps, args.device, peaks, B=args.B, T=args.T)
     base = next((row["median_ms"] for row in rows if row["method"] == "python-loop"), None)
     for row in rows:
         row["speedup_vs_loop"] = round(base / row["median_ms"], 2) if base else None
@@ -170,20 +129,16 @@ def main() -> None:
         lam=0.95,
         counted_fraction=round(m.float().mean().item(), 3),
         max_abs_err_vs_loop=max_err,
-        memory_method="CUDA max_memory_allocated delta"
-        if cuda
-        else "RSS high-water mark delta in a child with MALLOC_MMAP_THRESHOLD_=65536",
+        memory_method=memory_method,
     )
-    name = f"bench_gae_{torch.device(args.device).type}"
-    paths = write_results(name, rows, meta, Path(args.out))
-    png = plot_bars(
-        Path(args.out) / f"{name}.png",
+    paths = save_bars(
+        f"bench_gae_{torch.device(args.device).type}",
         rows,
-        "method",
-        [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")],
-        title=f"GAE B={args.B} T={args.T} on {meta['device_name']} ({meta['torch_threads']} thr)",
+        meta,
+        args.out,
+        f"GAE B={args.B} T={args.T} on {meta['device_name']} ({meta['torch_threads']} thr)",
     )
-    print(json.dumps({**paths, "png": png, "rows": rows}, indent=1))
+    print(json.dumps({**paths, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ Results: <out>/bench_packed_<device>.{json,csv,png}.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import inspect
 import json
@@ -76,23 +75,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+import _common as common  # noqa: E402
 from _baselines import make_trl_eager_loss, trl_grpo_math, trl_log_softmax_fns  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    cpu_rates,
-    device_info,
-    memory_in_child,
-    peak_memory,
-    plot_cases,
-    progress,
-    run_env,
-    time_fn,
-    write_results,
-)
 
 import fastrl  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BASELINE = "trl-eager-padded"
 FAMILIES = ("fastrl", "trl-eager", "fused-linear")
 LAYOUTS = ("padded", "packed")
@@ -268,45 +255,18 @@ def linear_methods(b, lp) -> dict:
     """name -> (layout, family, loss(hidden, weight)) of section "fused-linear"."""
     cfg = fastrl.LossConfig.grpo()
     adv, pad, pk = b["advantages"], b["padded"], b["packed"]
-    params = inspect.signature(fastrl.fused_linear_policy_loss).parameters
-    pk_kw = {"cu_seqlens": pk["cu_seqlens"]}
-    if "max_seqlen" in params:
-        pk_kw["max_seqlen"] = b["max_seqlen"]
     f = fastrl.fused_linear_policy_loss
+    pk_kw = {"cu_seqlens": pk["cu_seqlens"]}
+    if "max_seqlen" in inspect.signature(f).parameters:
+        pk_kw["max_seqlen"] = b["max_seqlen"]
+
+    def loss(layout, mask, **kw):  # loss(hidden, weight) on the layout's tokens and log-probs
+        tokens, old, ref = b[layout]["tokens"], lp[layout]["old_logp"], lp[layout]["ref_logp"]
+        return lambda h, w: f(h, w, tokens, adv, old, ref, mask, config=cfg, **kw).loss
+
     return {
-        "fused-linear-padded": (
-            "padded",
-            "fused-linear",
-            lambda h, w: (
-                f(
-                    h,
-                    w,
-                    pad["tokens"],
-                    adv,
-                    lp["padded"]["old_logp"],
-                    lp["padded"]["ref_logp"],
-                    pad["mask"],
-                    config=cfg,
-                ).loss
-            ),
-        ),
-        "fused-linear-packed": (
-            "packed",
-            "fused-linear",
-            lambda h, w: (
-                f(
-                    h,
-                    w,
-                    pk["tokens"],
-                    adv,
-                    lp["packed"]["old_logp"],
-                    lp["packed"]["ref_logp"],
-                    None,
-                    config=cfg,
-                    **pk_kw,
-                ).loss
-            ),
-        ),
+        "fused-linear-padded": ("padded", "fused-linear", loss("padded", pad["mask"])),
+        "fused-linear-packed": ("packed", "fused-linear", loss("packed", None, **pk_kw)),
     }
 
 
@@ -329,7 +289,7 @@ def measure_memory(step, leaves, device) -> dict:
     for t in leaves:
         t.grad = None
     gc.collect()
-    return peak_memory(step, device)
+    return common.peak_memory(step, device)
 
 
 def is_oom(e: BaseException) -> bool:
@@ -374,7 +334,7 @@ def run_case(b, args, device, mems, notes, bar=None) -> list[dict]:
             mem = (mems or {}).get(name)
             if mem is None and args.memory != "none":
                 mem = measure_memory(step, leaves, device)
-            t = time_fn(step, warmup=args.warmup, rep=args.rep, device=device)
+            t = common.time_fn(step, warmup=args.warmup, rep=args.rep, device=device)
         except RuntimeError as e:
             if not (cuda and is_oom(e)):
                 raise
@@ -485,12 +445,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="bench_packed.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p = common.bench_parser("bench_packed.py", __doc__)
     p.add_argument(
         "--S",
         type=int,
@@ -532,18 +487,10 @@ def build_parser():
         + ",".join(FAMILIES)
         + " (default all; fused-linear only when fastrl supports it)",
     )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="CPU: untimed calls before each timing (default 2, --quick 1); "
-        "CUDA: ms for do_bench (25)",
-    )
-    p.add_argument(
-        "--rep",
-        type=int,
-        default=None,
-        help="CPU: timed calls per timing (default 7, --quick 2); CUDA: ms for do_bench (100)",
+    common.add_reps(
+        p,
+        "untimed calls before each timing (default 2, --quick 1)",
+        "timed calls per timing (default 7, --quick 2)",
     )
     p.add_argument(
         "--memory",
@@ -558,20 +505,12 @@ def build_parser():
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's default)"
     )
-    p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke run: S=4, T=16, V=512, H=32, fp32 and bf16, 1 warm-up and 2 timed calls, "
+    common.add_run_args(
+        p,
+        "bench_packed",
+        "tiny smoke run: S=4, T=16, V=512, H=32, fp32 and bf16, 1 warm-up and 2 timed calls, "
         "memory inline (unless other options say otherwise); for tests",
     )
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_packed_<device>.*",
-    )
-    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -582,19 +521,13 @@ def resolve(args, device) -> list[str]:
     for k in ("S", "T", "V", "H", "dtype"):
         if getattr(args, k) is None:
             setattr(args, k, defaults[k])
-    dtypes = args.dtype.split(",")
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        raise SystemExit(f"--dtype: unknown {bad}; choose from {list(DTYPES)}")
+    dtypes = common.parse_dtypes(args.dtype)
     fams = [f for f in args.families.split(",") if f]
     bad = [f for f in fams if f not in FAMILIES]
     if bad:
         raise SystemExit(f"--families: unknown {bad}; choose from {list(FAMILIES)}")
     args.families = fams
-    if args.warmup is None:
-        args.warmup = 25 if cuda else (1 if args.quick else 2)
-    if args.rep is None:
-        args.rep = 100 if cuda else (2 if args.quick else 7)
+    common.fill_reps(args, cuda, 1 if args.quick else 2, 2 if args.quick else 7)
     if args.memory is None:
         args.memory = "inline" if (args.quick or cuda) else "child"
     if cuda:
@@ -613,10 +546,7 @@ def child_argv(args, dtype: str) -> list[str]:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    args, device = common.parse_bench_args(build_parser(), argv)
     cuda = device.type == "cuda"
     dtypes = resolve(args, device)
     notes: dict[str, str] = {}
@@ -628,28 +558,28 @@ def main(argv=None):
     if args.memory_only:  # child of a CPU run: {method: peak memory} of its one case, one line
         (args.dtype_name,) = dtypes
         b = make_batch(
-            args.S, args.T, args.V, DTYPES[dtypes[0]], device, args.seed, args.group_size
+            args.S, args.T, args.V, common.DTYPES[dtypes[0]], device, args.seed, args.group_size
         )
         print(json.dumps(run_case(b, args, device, None, notes)))
         return None
     for why in notes.values():
         print(why, file=sys.stderr, flush=True)
 
-    info = device_info(device)
+    info = common.device_info(device)
     args.rates = {"peak_bandwidth_GBs": info["peak_bandwidth_GBs"]}
     if not cuda:
         print("measuring the CPU's copy bandwidth ...", file=sys.stderr, flush=True)
-        args.rates.update(cpu_rates(1 << 22 if args.quick else 1 << 26))
+        args.rates.update(common.cpu_rates(1 << 22 if args.quick else 1 << 26))
     n_methods = 2 * len([f for f in args.families if f != "fused-linear" or args.fused_linear_ok])
-    bar = progress(len(dtypes) * n_methods, "bench_packed", disable=args.no_progress)
+    bar = common.progress(len(dtypes) * n_methods, "bench_packed", disable=args.no_progress)
     rows, cases = [], []
     for dtype in dtypes:
         args.dtype_name = dtype
         mems = None
         if not cuda and args.memory == "child":
-            bar.set_postfix_str(f"{dtype}: peak memory (child process)")
-            mems = memory_in_child(Path(__file__).resolve(), child_argv(args, dtype))
-        b = make_batch(args.S, args.T, args.V, DTYPES[dtype], device, args.seed, args.group_size)
+            mems = common.case_memory(bar, dtype, __file__, child_argv(args, dtype))
+        dt = common.DTYPES[dtype]
+        b = make_batch(args.S, args.T, args.V, dt, device, args.seed, args.group_size)
         cases.append(
             {"S": b["S"], "T": b["T"], "V": b["V"], "N": b["N"], "dtype": dtype,
              "pad_frac": b["pad_frac"], "lengths": b["lengths"].tolist()}
@@ -697,32 +627,28 @@ def main(argv=None):
         "fused_linear": {"supported": args.fused_linear_ok, "H": args.H},
         "machine_rates": args.rates,
         "threads": torch.get_num_threads(),
-        "env": run_env(),
+        "env": common.run_env(),
         "notes": notes,
     }
-    name = f"bench_packed_{device.type}"
-    out = Path(args.out)
-    paths = write_results(name, rows, meta, out)
-    plotted = [r for r in rows if not r["oom"]]
-    if not args.no_plot and plotted:
-        paths["png"] = plot_cases(
-            out / f"{name}.png",
-            plotted,
-            lambda r: (
-                f"{r['section']}: S={r['S']}, T={r['T']}, N={r['N']} "
-                f"({100 * r['pad_frac']:.0f}% pad), V={r['V']}"
-                + (f", H={r['H']}" if "H" in r else "")
-                + f", {r['dtype']}"
-            ),
-            "method",
-            [
-                ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80")),
-                ("peak_MB", "peak memory above inputs (MB)"),
-                ("useful_GBs", "useful GB/s (2 N V itemsize / time)"),
-            ],
-            f"packed vs padded, GRPO policy loss fwd+bwd; {info['device_name'][:40]}, torch "
-            f"{info['torch']}, commit {str(info['git_commit'])[:7]}",
-        )
+    paths = common.save_cases(
+        f"bench_packed_{device.type}",
+        rows,
+        meta,
+        args,
+        lambda r: (
+            f"{r['section']}: S={r['S']}, T={r['T']}, N={r['N']} "
+            f"({100 * r['pad_frac']:.0f}% pad), V={r['V']}"
+            + (f", H={r['H']}" if "H" in r else "")
+            + f", {r['dtype']}"
+        ),
+        [
+            common.TOTAL_MS_PANEL,
+            ("peak_MB", "peak memory above inputs (MB)"),
+            ("useful_GBs", "useful GB/s (2 N V itemsize / time)"),
+        ],
+        "packed vs padded, GRPO policy loss fwd+bwd",
+        plot_rows=[r for r in rows if not r["oom"]],
+    )
     for why in notes.values():
         print(why, file=sys.stderr)
     print(paths)

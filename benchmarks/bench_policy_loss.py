@@ -56,10 +56,8 @@ turns them into the README table.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 import warnings
@@ -70,26 +68,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")  # Dynamo tracing TRL's helpers
+import _common as common  # noqa: E402
 from _baselines import make_trl_eager_loss, make_verl_eager_loss  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    _quantile,
-    busy_processes,
-    cpu_rates,
-    device_info,
-    memory_in_child,
-    peak_memory,
-    plot_cases,
-    progress,
-    run_env,
-    time_fn,
-    write_results,
-)
 
 import fastrl  # noqa: E402
 from fastrl import reference  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BASELINE = "trl-eager"
 ORACLE = "reference (oracle)"
 METHODS = (
@@ -215,7 +199,7 @@ def measure_memory(forward, base, prepare, device):
     x.grad = None
     y = prepare(x)
     gc.collect()
-    return peak_memory(lambda: fwd_bwd(y), device)
+    return common.peak_memory(lambda: fwd_bwd(y), device)
 
 
 def time_prepared(prepare, fn, warmup, rep, device):
@@ -251,11 +235,7 @@ def _time_loop(prepare, fn, warmup, rep, device):
             t0 = time.perf_counter()
             fn(arg)
             times.append((time.perf_counter() - t0) * 1e3)
-    return {
-        "median": statistics.median(times),
-        "q20": _quantile(times, 0.2),
-        "q80": _quantile(times, 0.8),
-    }
+    return common.quantiles(times)
 
 
 def bench_method(name, method, case, args, device, mem, rates):
@@ -279,16 +259,16 @@ def bench_method(name, method, case, args, device, mem, rates):
     rep = min(args.slow_rep, args.rep) if slow else args.rep
     x.grad = None
     if prepare is None:
-        t_total = time_fn(lambda: fwd_bwd(x), warmup=warmup, rep=rep, device=device)
+        t_total = common.time_fn(lambda: fwd_bwd(x), warmup=warmup, rep=rep, device=device)
         x.grad = None
-        t_fwd = time_fn(lambda: fwd_only(x), warmup=warmup, rep=rep, device=device)
+        t_fwd = common.time_fn(lambda: fwd_only(x), warmup=warmup, rep=rep, device=device)
     else:
         t_total = time_prepared(lambda: prepare(x), fwd_bwd, warmup, rep, device)
         x.grad = None
         t_fwd = time_prepared(lambda: prepare(x), fwd_only, warmup, rep, device)
     x.grad = None
     N = B * T
-    itemsize = DTYPES[dtype].itemsize
+    itemsize = common.DTYPES[dtype].itemsize
     nominal = 2 * N * V * itemsize
     row = {
         "method": name,
@@ -328,22 +308,8 @@ def bench_method(name, method, case, args, device, mem, rates):
     return row, mem["method"]
 
 
-def parse_shapes(text):
-    """ "16x128x32000,64x128x32000" -> [(16, 128, 32000), (64, 128, 32000)]."""
-    out = []
-    for part in filter(None, text.split(",")):
-        b, t, v = (int(s) for s in part.lower().split("x"))
-        out.append((b, t, v))
-    return out
-
-
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="bench_policy_loss.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p = common.bench_parser("bench_policy_loss.py", __doc__)
     p.add_argument(
         "--B",
         type=int,
@@ -357,28 +323,16 @@ def build_parser():
         "--shapes",
         default=None,
         help="comma list of BxTxV shapes, e.g. 16x128x32000,8x128x151936 (default CPU: "
-        + ",".join("x".join(map(str, s)) for s in CPU_SHAPES)
-        + "; CUDA: "
-        + ",".join("x".join(map(str, s)) for s in CUDA_SHAPES)
-        + ")",
+        f"{common.shapes_text(CPU_SHAPES)}; CUDA: {common.shapes_text(CUDA_SHAPES)})",
     )
     p.add_argument(
         "--dtype",
         default=None,
-        help=f"comma list of logits dtypes from {','.join(DTYPES)} (default: fp32,bf16 on CPU, "
-        "bf16,fp32 on CUDA)",
+        help=f"comma list of logits dtypes from {','.join(common.DTYPES)} (default: fp32,bf16 on "
+        "CPU, bf16,fp32 on CUDA)",
     )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="CPU: untimed calls before each timing (default 2); CUDA: ms for do_bench (25)",
-    )
-    p.add_argument(
-        "--rep",
-        type=int,
-        default=None,
-        help="CPU: timed calls per timing (default 7); CUDA: ms for do_bench (100)",
+    common.add_reps(
+        p, "untimed calls before each timing (default 2)", "timed calls per timing (default 7)"
     )
     p.add_argument(
         "--slow-rep",
@@ -396,18 +350,11 @@ def build_parser():
     p.add_argument("--no-verl", action="store_true", help="skip the verl-eager row")
     p.add_argument("--no-reference", action="store_true", help="skip the reference (oracle) row")
     p.add_argument("--no-liger", action="store_true", help="skip Liger-Kernel on CUDA")
-    p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke run: shape " + "x".join(map(str, QUICK_SHAPES[0])) + ", fp32 and bf16, "
-        "1 warm-up and 2 timed calls (unless --warmup / --rep say otherwise); for tests",
-    )
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_policy_loss_<device>.*",
+    common.add_run_args(
+        p,
+        "bench_policy_loss",
+        f"tiny smoke run: shape {common.shapes_text(QUICK_SHAPES)}, fp32 and bf16, 1 warm-up and "
+        "2 timed calls (unless --warmup / --rep say otherwise); for tests",
     )
     p.add_argument(
         "--busy",
@@ -416,29 +363,18 @@ def build_parser():
         help="time with this many other processes each keeping one core busy (a pure-Python "
         "loop), as on a shared machine; results go to bench_policy_loss_<device>_busy<K>.*",
     )
-    p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def resolve(args, device):
     """Fill the defaults that depend on the device and on --quick; returns the case list."""
     cuda = device.type == "cuda"
+    one = None
     if args.B is not None or args.T is not None or args.V is not None:
-        shapes = [(args.B or DEFAULT_B, args.T or DEFAULT_T, args.V or DEFAULT_V)]
-    elif args.shapes:
-        shapes = parse_shapes(args.shapes)
-    elif args.quick:
-        shapes = QUICK_SHAPES
-    else:
-        shapes = CUDA_SHAPES if cuda else CPU_SHAPES
-    dtypes = (args.dtype or ("bf16,fp32" if cuda else "fp32,bf16")).split(",")
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        raise SystemExit(f"--dtype: unknown {bad}; choose from {list(DTYPES)}")
-    if args.warmup is None:
-        args.warmup = 25 if cuda else (1 if args.quick else 2)
-    if args.rep is None:
-        args.rep = 100 if cuda else (2 if args.quick else 7)
+        one = (args.B or DEFAULT_B, args.T or DEFAULT_T, args.V or DEFAULT_V)
+    shapes = common.choose_shapes(args, one, cuda, CPU_SHAPES, CUDA_SHAPES, QUICK_SHAPES)
+    dtypes = common.parse_dtypes(args.dtype or ("bf16,fp32" if cuda else "fp32,bf16"))
+    common.fill_reps(args, cuda, 1 if args.quick else 2, 2 if args.quick else 7)
     return [(b, t, v, d) for (b, t, v) in shapes for d in dtypes]
 
 
@@ -449,10 +385,7 @@ def case_argv(raw_argv, case):
 
 def main(argv=None):
     raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(raw_argv)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    args, device = common.parse_bench_args(build_parser(), raw_argv)
     cuda = device.type == "cuda"
     cases = resolve(args, device)
     notes: dict[str, str] = {}
@@ -460,33 +393,30 @@ def main(argv=None):
     if args.memory_only:  # child of a CPU run: {method: peak memory} of its one case, one line
         (case,) = cases
         B, T, V, dtype = case
-        inp = make_inputs(B, T, V, DTYPES[dtype], device)
+        inp = make_inputs(B, T, V, common.DTYPES[dtype], device)
         methods = build_methods(inp, args, device, notes)
         mems = {name: measure_memory(*m, device) for name, m in methods.items()}
         print(json.dumps(mems))
         return mems
 
-    info = device_info(device)
+    info = common.device_info(device)
     rates = {"peak_bandwidth_GBs": info["peak_bandwidth_GBs"]}
     if not cuda:
         print("measuring the CPU's copy bandwidth and exp rate ...", file=sys.stderr, flush=True)
-        rates.update(cpu_rates(1 << 22 if args.quick else 1 << 26))
+        rates.update(common.cpu_rates(1 << 22 if args.quick else 1 << 26))
     n_methods = len(build_methods(make_inputs(1, 2, 8, torch.float32, device), args, device, {}))
-    bar = progress(len(cases) * n_methods, "bench_policy_loss", disable=args.no_progress)
+    bar = common.progress(len(cases) * n_methods, "bench_policy_loss", disable=args.no_progress)
     rows, mem_method = [], ""
     for case in cases:
         B, T, V, dtype = case
         label = f"N={B * T} V={V} {dtype}"
-        mems = {}
-        if not cuda:
-            bar.set_postfix_str(f"{label}: peak memory (child process)")
-            mems = memory_in_child(Path(__file__).resolve(), case_argv(raw_argv, case))
-        inp = make_inputs(B, T, V, DTYPES[dtype], device)
+        mems = {} if cuda else common.case_memory(bar, label, __file__, case_argv(raw_argv, case))
+        inp = make_inputs(B, T, V, common.DTYPES[dtype], device)
         methods = build_methods(inp, args, device, notes)
         case_rows = []
         for name, method in methods.items():
             bar.set_postfix_str(f"{label}: {name}")
-            with busy_processes(args.busy):
+            with common.busy_processes(args.busy):
                 row, mem_method = bench_method(
                     name, method, case, args, device, mems.get(name), rates
                 )
@@ -532,25 +462,14 @@ def main(argv=None):
         "exp_floor": "N * V / exp_per_s (one exp per logit)" if rates.get("exp_per_s") else None,
         "threads": torch.get_num_threads(),
         "busy_processes": args.busy,
-        "env": run_env(),
+        "env": common.run_env(),
         "notes": notes,
     }
     name = f"bench_policy_loss_{device.type}" + (f"_busy{args.busy}" if args.busy else "")
-    out = Path(args.out)
-    paths = write_results(name, rows, meta, out)
-    if not args.no_plot:
-        paths["png"] = plot_cases(
-            out / f"{name}.png",
-            rows,
-            lambda r: f"N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']}, {r['dtype']}",
-            "method",
-            [
-                ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80")),
-                ("peak_MB", "peak memory (MB)"),
-            ],
-            f"GRPO policy loss on logits, fwd+bwd; {info['device_name'][:40]}, torch "
-            f"{info['torch']}, commit {str(info['git_commit'])[:7]}",
-        )
+    case_of = lambda r: f"N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']}, {r['dtype']}"  # noqa: E731
+    panels = [common.TOTAL_MS_PANEL, ("peak_MB", "peak memory (MB)")]
+    title = "GRPO policy loss on logits, fwd+bwd"
+    paths = common.save_cases(name, rows, meta, args, case_of, panels, title)
     print(paths)
     return rows
 

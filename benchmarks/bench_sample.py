@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,17 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _common import (  # noqa: E402
-    RESULTS_DIR,
+    DTYPES,
+    add_out_arg,
     device_info,
-    peak_memory,
-    plot_bars,
-    time_fn,
-    write_results,
+    measure_peaks,
+    save_bars,
+    time_rows,
 )
 
 import fastrl  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TEMPERATURE = 0.7
 
 
@@ -51,14 +48,13 @@ def baseline(logits, generator):
     return tokens, logp
 
 
-def methods(device):
+def methods(x, device) -> dict:
+    """name -> () -> one sampling call on the logits x (one shared generator, seed 0)."""
     gen = torch.Generator(device=device).manual_seed(0)
     return {
-        "multinomial+log_softmax": lambda x: baseline(x, gen),
-        "fastrl.sample": lambda x: fastrl.sample(x, TEMPERATURE, generator=gen),
-        "fastrl.sample top_p=0.9": lambda x: fastrl.sample(
-            x, TEMPERATURE, top_p=0.9, generator=gen
-        ),
+        "multinomial+log_softmax": lambda: baseline(x, gen),
+        "fastrl.sample": lambda: fastrl.sample(x, TEMPERATURE, generator=gen),
+        "fastrl.sample top_p=0.9": lambda: fastrl.sample(x, TEMPERATURE, top_p=0.9, generator=gen),
     }
 
 
@@ -70,11 +66,7 @@ def make_logits(N, V, dtype, device):
 def memory_child(args) -> None:
     torch.set_num_threads(args.threads)
     x = make_logits(args.N, args.V, DTYPES[args.dtype], args.device)
-    out = {
-        n: peak_memory(lambda f=f: f(x), args.device)["bytes"]
-        for n, f in methods(args.device).items()
-    }
-    print(json.dumps(out))
+    print(json.dumps(measure_peaks(methods(x, args.device), args.device)[0]))
 
 
 def main() -> None:
@@ -87,11 +79,7 @@ def main() -> None:
     )
     p.add_argument("--rep", type=int, default=None, help="timed calls (CPU) / ms (CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_sample_<device>.*",
-    )
+    add_out_arg(p, "bench_sample")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     cuda = torch.device(args.device).type == "cuda"
@@ -108,38 +96,12 @@ def main() -> None:
     ent_err = (entropy + (ls.exp() * ls).sum(-1)).abs().max().item()
     del ls
 
-    if cuda:
-        peaks = {
-            n: peak_memory(lambda f=f: f(x), args.device)["bytes"]
-            for n, f in methods(args.device).items()
-        }
-    else:
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        child = [sys.executable, __file__, "--memory-child", "--device", args.device]
-        child += ["--N", str(args.N), "--V", str(args.V), "--dtype", args.dtype]
-        child += ["--threads", str(args.threads)]
-        res = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
-        peaks = json.loads(res.stdout.strip().splitlines()[-1])
-
-    rows = []
-    for name, fn in methods(args.device).items():
-        if cuda:
-            t = time_fn(lambda fn=fn: fn(x), 25, args.rep or 100, "cuda")
-        else:
-            t = time_fn(lambda fn=fn: fn(x), 1, args.rep or 5)
-        rows.append(
-            {
-                "method": name,
-                "N": args.N,
-                "V": args.V,
-                "dtype": args.dtype,
-                "median_ms": round(t["median"], 3),
-                "q20_ms": round(t["q20"], 3),
-                "q80_ms": round(t["q80"], 3),
-                "peak_MB": round(peaks[name] / 2**20, 1),
-            }
-        )
-        print(rows[-1], flush=True)
+    child = ["--device", args.device, "--N", str(args.N), "--V", str(args.V)]
+    child += ["--dtype", args.dtype, "--threads", str(args.threads)]
+    peaks, memory_method = measure_peaks(methods(x, args.device), args.device, __file__, child)
+    calls = methods(x, args.device)  # timed with a fresh generator
+    reps = dict.fromkeys(calls, args.rep or (100 if cuda else 5))
+    rows = time_rows(calls, reps, args.device, peaks, N=args.N, V=args.V, dtype=args.dtype)
     base = rows[0]["median_ms"]
     for row in rows:
         row["speedup_vs_baseline"] = round(base / row["median_ms"], 2)
@@ -149,20 +111,16 @@ def main() -> None:
         temperature=TEMPERATURE,
         max_abs_err_logp=logp_err,
         max_abs_err_entropy=ent_err,
-        memory_method="CUDA max_memory_allocated delta"
-        if cuda
-        else "RSS high-water mark delta in a child with MALLOC_MMAP_THRESHOLD_=65536",
+        memory_method=memory_method,
     )
-    name = f"bench_sample_{torch.device(args.device).type}"
-    paths = write_results(name, rows, meta, Path(args.out))
-    png = plot_bars(
-        Path(args.out) / f"{name}.png",
+    paths = save_bars(
+        f"bench_sample_{torch.device(args.device).type}",
         rows,
-        "method",
-        [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")],
-        title=f"sample N={args.N} V={args.V} {args.dtype} on {meta['device_name']}",
+        meta,
+        args.out,
+        f"sample N={args.N} V={args.V} {args.dtype} on {meta['device_name']}",
     )
-    print(json.dumps({**paths, "png": png}, indent=1))
+    print(json.dumps(paths, indent=1))
 
 
 if __name__ == "__main__":

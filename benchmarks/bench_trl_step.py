@@ -35,8 +35,6 @@ Results: <out>/bench_trl_step_<device>.{json,csv,png}.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -45,15 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as common  # noqa: E402
 import torch  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    _quantile,
-    device_info,
-    plot_bars,
-    run_env,
-    write_results,
-)
 
 BASELINE = "trl.GRPOTrainer"
 FASTRL = "fastrl.integrations.trl.GRPOTrainer"
@@ -166,17 +157,8 @@ def run_trainer(cls, model: str, args, device: torch.device, out_dir: Path) -> d
     }
 
 
-def _stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "q20": _quantile(xs, 0.2), "q80": _quantile(xs, 0.8)}
-
-
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="bench_trl_step.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    p = common.bench_parser("bench_trl_step.py", __doc__)
     p.add_argument(
         "--model",
         default=None,
@@ -217,17 +199,13 @@ def build_parser():
         help="torch CPU threads (default 1: a tiny model's ops gain nothing from more, and on a "
         "shared machine OpenMP's waits for a busy core made steps ~10x slower)",
     )
-    p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny run for tests: hidden 32, 2 layers, batch 4, 4 generations, 8 tokens, "
+    common.add_run_args(
+        p,
+        "bench_trl_step",
+        "tiny run for tests: hidden 32, 2 layers, batch 4, 4 generations, 8 tokens, "
         "1 warm-up + 3 timed steps (unless the options say otherwise)",
-    )
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_trl_step_<device>.*",
+        progress=False,
+        memory_only=False,
     )
     return p
 
@@ -250,10 +228,7 @@ def resolve(args, device) -> None:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    args, device = common.parse_bench_args(build_parser(), argv)
     resolve(args, device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -261,7 +236,7 @@ def main(argv=None):
 
     import fastrl.integrations.trl as fastrl_trl
 
-    info = device_info(device)
+    info = common.device_info(device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_model(Path(tmp) / "tiny-qwen2", args.hidden, args.layers)
@@ -269,7 +244,7 @@ def main(argv=None):
             print(f"{name}: {args.warmup_steps} + {args.steps} steps ...", file=sys.stderr)
             res = run_trainer(cls, model, args, device, Path(tmp) / name)
             train = [s - g for s, g in zip(res["step"], res["gen"])]
-            st, tr, ge = _stats(res["step"]), _stats(train), _stats(res["gen"])
+            st, tr, ge = (common.quantiles(x) for x in (res["step"], train, res["gen"]))
             rows.append(
                 {
                     "method": name,
@@ -323,21 +298,23 @@ def main(argv=None):
         if device.type == "cuda"
         else "not measured on CPU",
         "threads": torch.get_num_threads(),
-        "env": run_env(),
+        "env": common.run_env(),
         "notes": {},
     }
-    name = f"bench_trl_step_{device.type}"
-    out = Path(args.out)
-    paths = write_results(name, rows, meta, out)
-    if not args.no_plot:
-        paths["png"] = plot_bars(
-            out / f"{name}.png",
+    paths = common.save_results(
+        f"bench_trl_step_{device.type}",
+        rows,
+        meta,
+        args,
+        lambda png: common.plot_bars(
+            png,
             [dict(r, method=r["method"].split(".")[0]) for r in rows],
             "method",
             [("step_ms", "step ms (median)"), ("train_ms", "step - generation, ms (median)")],
             title=f"GRPOTrainer step on {info['device_name'][:40]}, commit "
             f"{str(info['git_commit'])[:7]}",
-        )
+        ),
+    )
     print(paths)
     return rows
 

@@ -97,22 +97,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    device_info,
-    peak_memory,
-    plot_cases,
-    progress,
-    run_env,
-    write_results,
-)
+import _common as common  # noqa: E402
 
 import fastrl  # noqa: E402
 from fastrl._linear_ops import default_chunk  # noqa: E402
 from fastrl.config import resolve_config  # noqa: E402
 from fastrl.terms import is_token_separable  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPS = ("policy-loss", "logprobs")
 GEMMS = {"policy-loss": 6, "logprobs": 8}  # nominal flops per N H V
 CPU_DEFAULT = dict(N=1024, T=256, H=512, V=32000, dtype="fp32", warmup=1, rep=5)
@@ -124,7 +115,7 @@ M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 # ---------------------------------------------------------------------------- inputs
 def make_inputs(args, device) -> dict:
     """Everything a run needs, on the CPU (each process moves it to its device)."""
-    N, T, H, V, dtype = args.N, args.T, args.H, args.V, DTYPES[args.dtype]
+    N, T, H, V, dtype = args.N, args.T, args.H, args.V, common.DTYPES[args.dtype]
     B = N // T
     g = torch.Generator().manual_seed(args.seed)
     hidden = torch.randn(B, T, H, generator=g).to(dtype)
@@ -188,7 +179,7 @@ def make_step(op: str, x: dict, hidden, weight, config: str, group):
 def comm_plan(op: str, args, P: int) -> dict:
     """The collectives one vocab-parallel call makes (fastrl.vocab_parallel's docstring): sizes
     in bytes and how many all-gathers of (3, rows) fp32."""
-    N, itemsize = args.N, DTYPES[args.dtype].itemsize
+    N, itemsize = args.N, common.DTYPES[args.dtype].itemsize
     chunk = default_chunk(
         max(shard_rows(args.V, P, r).stop - shard_rows(args.V, P, r).start for r in range(P))
     )
@@ -314,7 +305,7 @@ def _worker(rank: int, job: dict, tmp: str) -> None:
                     _trim()
                 if group is not None:
                     dist.barrier(group=group)
-                mem = peak_memory(step, device)
+                mem = common.peak_memory(step, device)
                 hidden.grad = weight.grad = None
                 if device.type == "cpu":
                     mem["method"] = mem["method"].split(" (")[0] + f" ({how})"
@@ -333,21 +324,9 @@ def run_job(job: dict, tmp: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- rows
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _stats(per_rank: list[list[float]]) -> dict:
     """Median / q20 / q80 of the per-call max over ranks."""
-    slowest = [max(ts) for ts in zip(*per_rank)]
-    return {
-        "median": statistics.median(slowest),
-        "q20": _quantile(slowest, 0.2),
-        "q80": _quantile(slowest, 0.8),
-    }
+    return common.quantiles([max(ts) for ts in zip(*per_rank)])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -390,7 +369,7 @@ def make_rows(job: dict, results: list[dict], args, tmp: str) -> list[dict]:
             "rank_peak_MB": None if None in mems else [m["bytes"] / 2**20 for m in mems],
             "memory_method": None if None in mems else mems[0]["method"],
             "loss": results[0][op]["loss"],
-            "logits_MB": args.N * args.V * DTYPES[args.dtype].itemsize / 2**20,
+            "logits_MB": args.N * args.V * common.DTYPES[args.dtype].itemsize / 2**20,
             "TFLOPs": GEMMS[op] * args.N * args.H * args.V / 1e12 / (t["median"] / 1e3),
         }
         if P > 1:
@@ -453,15 +432,10 @@ def add_ratios(rows: list[dict], cuda: bool) -> None:
 
 # ---------------------------------------------------------------------------- main
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="bench_vocab_parallel.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="cpu (gloo processes on the CPU), cuda (the unsharded row on the GPU; the "
+    p = common.bench_parser(
+        "bench_vocab_parallel.py",
+        __doc__,
+        "cpu (gloo processes on the CPU), cuda (the unsharded row on the GPU; the "
         "vocab-parallel rows only with P CUDA devices, over NCCL) or auto (default: cuda when "
         "available)",
     )
@@ -489,7 +463,7 @@ def build_parser():
     p.add_argument(
         "--dtype",
         default=None,
-        choices=list(DTYPES),
+        choices=list(common.DTYPES),
         help="hidden / weight dtype (default CPU fp32, CUDA bf16)",
     )
     p.add_argument(
@@ -538,18 +512,12 @@ def build_parser():
         "(default), 'none' skips it",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
-    p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny smoke run: N=128 (T=64), H=64, V=4096, fp32, 1 warm-up and 3 timed calls "
+    common.add_run_args(
+        p,
+        "bench_vocab_parallel",
+        "tiny smoke run: N=128 (T=64), H=64, V=4096, fp32, 1 warm-up and 3 timed calls "
         "(unless other options say otherwise); for tests",
-    )
-    p.add_argument(
-        "--out",
-        default=str(RESULTS_DIR),
-        help="results folder (default benchmarks/results/); files bench_vocab_parallel_<device>.*",
+        memory_only=False,
     )
     return p
 
@@ -629,23 +597,20 @@ def plan_jobs(args, device, worlds, notes) -> list[dict]:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    args, device = common.parse_bench_args(build_parser(), argv)
     cuda = device.type == "cuda"
     worlds = resolve(args, device)
     notes: dict[str, str] = {}
     jobs = plan_jobs(args, device, worlds, notes)
     for why in notes.values():
         print(why, file=sys.stderr, flush=True)
-    info = device_info(device)
+    info = common.device_info(device)
     # torch._dynamo: torch imports it at a custom op's first call; torch.distributed.tensor:
     # fastrl's DTensor check imports it (seconds each, in every process otherwise)
     preload = ["torch", "torch._dynamo", "torch.distributed.tensor", "fastrl", _worker.__module__]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     rows: list[dict] = []
-    bar = progress(len(jobs), "bench_vocab_parallel", disable=args.no_progress)
+    bar = common.progress(len(jobs), "bench_vocab_parallel", disable=args.no_progress)
     with tempfile.TemporaryDirectory(prefix="bench_vp_") as tmp:
         torch.save(make_inputs(args, device), os.path.join(tmp, "inputs.pt"))
         if cuda:
@@ -699,30 +664,27 @@ def main(argv=None):
         "communication": "per call: all-gather of 3 fp32 per row per rank (12 N P B), all-reduce "
         "of d hidden (N H itemsize B), the plan's all-gather of 8 int64 per rank",
         "seed": args.seed,
-        "env": run_env(),
+        "env": common.run_env(),
         "notes": notes,
     }
-    name = f"bench_vocab_parallel_{device.type}"
-    out = Path(args.out)
-    paths = write_results(name, rows, meta, out)
-    if not args.no_plot and rows:
-        paths["png"] = plot_cases(
-            out / f"{name}.png",
-            rows,
-            lambda r: f"{r['op']}: N={r['N']}, H={r['H']}, V={r['V']}, {r['dtype']}",
-            "label",
-            [
-                (
-                    "total_ms",
-                    "fwd+bwd ms (median of max over ranks, q20-q80)",
-                    ("total_ms_q20", "total_ms_q80"),
-                ),
-                ("peak_MB", "peak memory per process (MB)"),
-                ("comm_ms", "the collectives alone (ms)"),
-            ],
-            f"vocab-parallel LM head vs unsharded; {info['device_name'][:40]}, torch "
-            f"{info['torch']}, commit {str(info['git_commit'])[:7]}",
-        )
+    paths = common.save_cases(
+        f"bench_vocab_parallel_{device.type}",
+        rows,
+        meta,
+        args,
+        lambda r: f"{r['op']}: N={r['N']}, H={r['H']}, V={r['V']}, {r['dtype']}",
+        [
+            (
+                "total_ms",
+                "fwd+bwd ms (median of max over ranks, q20-q80)",
+                ("total_ms_q20", "total_ms_q80"),
+            ),
+            ("peak_MB", "peak memory per process (MB)"),
+            ("comm_ms", "the collectives alone (ms)"),
+        ],
+        "vocab-parallel LM head vs unsharded",
+        label="label",
+    )
     print(paths)
     return rows
 

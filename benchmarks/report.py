@@ -36,12 +36,25 @@ def _machine(meta: dict) -> str:
     )
 
 
-def _ms(r: dict, key: str = "total_ms") -> str:
-    return f"{_fmt(r[key])} ({_fmt(r.get(key + '_q20'))}-{_fmt(r.get(key + '_q80'))})"
+def _ms(r: dict, key: str = "total_ms", sep: str = "-") -> str:
+    """r[key] and its q20 / q80 (r[key + "_q20"], ...): "12.3 (12.0-12.9)"."""
+    return f"{_fmt(r[key])} ({_fmt(r.get(key + '_q20'))}{sep}{_fmt(r.get(key + '_q80'))})"
 
 
 def _x(v, digits=2) -> str:
     return "" if v is None else f"{v:.{digits}f}x"
+
+
+def _table(
+    intro: str, columns: list[str], rows: list[list], notes: dict | None = None
+) -> list[str]:
+    """Markdown lines: the `intro` paragraph, a table with these column headers and one line per
+    list of cells in `rows`, then a "Note: ..." paragraph per value of `notes`."""
+    line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
+    lines = [intro, "", line(columns), "|" + "---|" * len(columns), *map(line, rows)]
+    for why in (notes or {}).values():
+        lines += ["", f"Note: {why}"]
+    return lines
 
 
 def _policy_loss(data: dict) -> list[str]:
@@ -63,152 +76,163 @@ def _policy_loss(data: dict) -> list[str]:
         if busy
         else ""
     )
-    lines = [
+    intro = (
         load + "**Policy loss on logits, forward + backward** (GRPO: clip 0.2 / 0.2, k3 KL "
         "with beta 0.04, seq-mean-token-mean). Speed-ups and memory ratios are against "
         "`trl-eager`, what TRL's GRPOTrainer runs on logits (`selective_log_softmax` + the "
         "entropy metric + its per-token math); `reference (oracle)` is fastrl's readable "
-        f"oracle, shown for context only. {_machine(meta)}.{measured}",
-        "",
-        "| method | shape | dtype | median ms (q20-q80) | vs trl-eager | peak MB | "
-        "memory vs trl-eager | exp-floor ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        f"oracle, shown for context only. {_machine(meta)}.{measured}"
+    )
+    columns = ["method", "shape", "dtype", "median ms (q20-q80)", "vs trl-eager", "peak MB"]
+    columns += ["memory vs trl-eager", "exp-floor ratio"]
+    cells = [
+        [
+            r["method"],
+            f"N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']}",
+            r["dtype"],
+            _ms(r),
+            _x(r.get("speedup_vs_trl_eager")),
+            _fmt(r.get("peak_MB"), 0),
+            _x(r.get("memory_vs_trl_eager")),
+            _fmt(r.get("exp_floor_ratio"), 1),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']} | {r['dtype']} | "
-            f"{_ms(r)} | {_x(r.get('speedup_vs_trl_eager'))} | {_fmt(r.get('peak_MB'), 0)} | "
-            f"{_x(r.get('memory_vs_trl_eager'))} | {_fmt(r.get('exp_floor_ratio'), 1)} |"
-        )
-    for why in (meta.get("notes") or {}).values():
-        lines += ["", f"Note: {why}"]
-    return lines
+    return _table(intro, columns, cells, meta.get("notes"))
 
 
 def _fused_linear(data: dict) -> list[str]:
     meta, rows = data["meta"], data["rows"]
     if "cases" not in meta:  # results written before the multi-shape benchmark
         return _fused_linear_legacy(data)
-    lines = [
+    intro = (
         "**GRPO loss from hidden states and the LM-head weight, forward + backward** (gradients "
         "of both; LossConfig.grpo()). `gemm-floor` is the three bare GEMMs of the same shape "
         "(h·Wᵀ, g·W, gᵀ·h, outputs preallocated); TFLOP/s counts 6·N·H·V for every row; memory "
         "ratios are against `matmul+trl-eager` (materialised logits + TRL-style eager loss). "
-        f"{_machine(meta)}.",
-        "",
-        "| method | N, H | dtype | median ms (q20-q80) | x GEMM floor | TFLOP/s | peak MB | "
-        "memory vs matmul+trl-eager |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        f"{_machine(meta)}."
+    )
+    columns = ["method", "N, H", "dtype", "median ms (q20-q80)", "x GEMM floor", "TFLOP/s"]
+    columns += ["peak MB", "memory vs matmul+trl-eager"]
+    cells = []
     for r in rows:
         method = r["method"]
         if r.get("vs_unmasked") is not None:
             method += f", {_x(r['vs_unmasked'])} unmasked"
         floor = r.get("role") == "floor"
-        peak = "n/a (preallocated)" if floor else _fmt(r.get("peak_MB"), 0)
-        mem = "" if floor else _x(r.get("memory_vs_matmul_trl_eager"))
-        lines.append(
-            f"| {method} | {r['N']}, {r['H']} | {r['dtype']} | {_ms(r)} | "
-            f"{_x(r.get('x_gemm_floor'))} | {_fmt(r.get('TFLOPs'), 3)} | {peak} | {mem} |"
+        cells.append(
+            [
+                method,
+                f"{r['N']}, {r['H']}",
+                r["dtype"],
+                _ms(r),
+                _x(r.get("x_gemm_floor")),
+                _fmt(r.get("TFLOPs"), 3),
+                "n/a (preallocated)" if floor else _fmt(r.get("peak_MB"), 0),
+                "" if floor else _x(r.get("memory_vs_matmul_trl_eager")),
+            ]
         )
-    for why in (meta.get("notes") or {}).values():
-        lines += ["", f"Note: {why}"]
-    return lines
+    return _table(intro, columns, cells, meta.get("notes"))
 
 
 def _policy_loss_legacy(data: dict) -> list[str]:
     meta, rows = data["meta"], data["rows"]
     shape = meta["shape"]
-    lines = [
+    intro = (
         f"**Policy loss, forward + backward** (GRPO preset; N = {shape['B'] * shape['T']}, "
-        f"V = {shape['V']}, {shape['dtype']}); {_machine(meta)}",
-        "",
-        "| method | median ms (q20 - q80) | vs eager | peak MB | memory vs eager | GB/s |",
-        "|---|---|---|---|---|---|",
+        f"V = {shape['V']}, {shape['dtype']}); {_machine(meta)}"
+    )
+    columns = ["method", "median ms (q20 - q80)", "vs eager", "peak MB", "memory vs eager", "GB/s"]
+    cells = [
+        [
+            r["method"],
+            _ms(r, sep=" - "),
+            f"{_fmt(r.get('speedup_vs_eager'), 2)}x",
+            _fmt(r.get("peak_MB"), 0),
+            _fmt(r.get("memory_vs_eager"), 2),
+            _fmt(r.get("GBs"), 1),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {_fmt(r['total_ms'])} ({_fmt(r['total_ms_q20'])} - "
-            f"{_fmt(r['total_ms_q80'])}) | {_fmt(r.get('speedup_vs_eager'), 2)}x | "
-            f"{_fmt(r.get('peak_MB'), 0)} | {_fmt(r.get('memory_vs_eager'), 2)} | "
-            f"{_fmt(r.get('GBs'), 1)} |"
-        )
-    return lines
+    return _table(intro, columns, cells)
 
 
 def _fused_linear_legacy(data: dict) -> list[str]:
     meta, rows = data["meta"], data["rows"]
     shape = meta["shape"]
     eager = next((r for r in rows if r["method"] == "linear+eager"), None)
-    lines = [
+    intro = (
         f"**Fused linear policy loss, forward + backward** (GRPO with token-mean; N = "
-        f"{shape['N']}, H = {shape['H']}, V = {shape['V']}, {shape['dtype']}); {_machine(meta)}",
-        "",
-        "| method | median ms (q20 - q80) | TFLOP/s (6NHV) | peak MB | memory vs eager |",
-        "|---|---|---|---|---|",
+        f"{shape['N']}, H = {shape['H']}, V = {shape['V']}, {shape['dtype']}); {_machine(meta)}"
+    )
+    columns = ["method", "median ms (q20 - q80)", "TFLOP/s (6NHV)", "peak MB", "memory vs eager"]
+    cells = [
+        [
+            r["method"],
+            _ms(r, sep=" - "),
+            _fmt(r["TFLOPs"], 3),
+            _fmt(r["peak_MB"], 0),
+            _fmt(r["peak_MB"] / eager["peak_MB"] if eager and eager["peak_MB"] else None, 2),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        rel = r["peak_MB"] / eager["peak_MB"] if eager and eager["peak_MB"] else None
-        lines.append(
-            f"| {r['method']} | {_fmt(r['total_ms'])} ({_fmt(r['total_ms_q20'])} - "
-            f"{_fmt(r['total_ms_q80'])}) | {_fmt(r['TFLOPs'], 3)} | {_fmt(r['peak_MB'], 0)} | "
-            f"{_fmt(rel, 2)} |"
-        )
-    return lines
+    return _table(intro, columns, cells)
 
 
 def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     meta, rows = data["meta"], data["rows"]
-    lines = [
-        f"**{title}**; {_machine(meta)}",
-        "",
-        "| method | shape | median ms (q20 - q80) | speed-up | peak MB |",
-        "|---|---|---|---|---|",
+    cells = [
+        [
+            r["method"],
+            ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r),
+            f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - {_fmt(r['q80_ms'])})",
+            f"{_fmt(r.get(speed_key), 2)}x",
+            _fmt(r.get("peak_MB"), 0),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        shape = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r)
-        lines.append(
-            f"| {r['method']} | {shape} | {_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - "
-            f"{_fmt(r['q80_ms'])}) | {_fmt(r.get(speed_key), 2)}x | {_fmt(r.get('peak_MB'), 0)} |"
-        )
-    return lines
+    columns = ["method", "shape", "median ms (q20 - q80)", "speed-up", "peak MB"]
+    return _table(f"**{title}**; {_machine(meta)}", columns, cells)
 
 
 def _packed(data: dict) -> list[str]:
     """bench_packed: each method on the padded (S, T) and the packed (N,) layout."""
     meta, rows = data["meta"], data["rows"]
     r0 = rows[0]
-    lines = [
+    intro = (
         f"**Packed vs padded** ({r0['dtype']}, S = {r0['S']}, T = {r0['T']}, V = {r0['V']}, "
         f"N = {r0['N']} tokens, {100 * r0['pad_frac']:.0f} % padding, fwd+bwd); "
-        f"{_machine(meta)}",
-        "",
-        "| method | layout | median ms (q20-q80) | packed / padded time | peak MB above inputs "
-        "| packed / padded memory |",
-        "|---|---|---|---|---|---|",
-    ]
+        f"{_machine(meta)}"
+    )
+    columns = ["method", "layout", "median ms (q20-q80)", "packed / padded time"]
+    columns += ["peak MB above inputs", "packed / padded memory"]
+    cells = []
     for r in rows:
         packed = r["layout"] == "packed"
-        lines.append(
-            f"| {r['family']} | {r['layout']} | {'OOM' if r.get('oom') else _ms(r)} | "
-            f"{_x(1 / r['speedup_packed_vs_padded']) if packed else ''} | "
-            f"{_fmt(r.get('peak_MB'), 0)} | {_x(r['memory_packed_vs_padded']) if packed else ''} |"
+        cells.append(
+            [
+                r["family"],
+                r["layout"],
+                "OOM" if r.get("oom") else _ms(r),
+                _x(1 / r["speedup_packed_vs_padded"]) if packed else "",
+                _fmt(r.get("peak_MB"), 0),
+                _x(r["memory_packed_vs_padded"]) if packed else "",
+            ]
         )
-    return lines
+    return _table(intro, columns, cells)
 
 
 def _vocab_parallel(data: dict) -> list[str]:
     """bench_vocab_parallel: P ranks with V / P weight rows each against the unsharded op."""
     meta, rows = data["meta"], data["rows"]
     shape = meta["shape"]
-    lines = [
+    intro = (
         f"**Vocab-parallel LM head** (N = {shape['N']}, H = {shape['H']}, V = {shape['V']}, "
-        f"{shape['dtype']}, fwd+bwd, {meta['backend']}); {_machine(meta)}",
-        "",
-        "| op | method | median ms (q20-q80) | peak MB per rank | memory vs unsharded "
-        "| MB communicated | max rel. diff vs unsharded (loss / d hidden / d weight) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        f"{shape['dtype']}, fwd+bwd, {meta['backend']}); {_machine(meta)}"
+    )
+    columns = ["op", "method", "median ms (q20-q80)", "peak MB per rank", "memory vs unsharded"]
+    columns += ["MB communicated", "max rel. diff vs unsharded (loss / d hidden / d weight)"]
+    cells = []
     for r in rows:
         sharded = r["method"] == "vocab-parallel"
         diffs = (
@@ -217,30 +241,39 @@ def _vocab_parallel(data: dict) -> list[str]:
             if sharded
             else ""
         )
-        lines.append(
-            f"| {r['op']} | {r['label']} | {_ms(r)} | {_fmt(r.get('peak_MB'), 0)} | "
-            f"{_x(r.get('memory_vs_unsharded')) if sharded else ''} | "
-            f"{_fmt(r.get('comm_MB'), 2) if sharded else ''} | {diffs} |"
+        cells.append(
+            [
+                r["op"],
+                r["label"],
+                _ms(r),
+                _fmt(r.get("peak_MB"), 0),
+                _x(r.get("memory_vs_unsharded")) if sharded else "",
+                _fmt(r.get("comm_MB"), 2) if sharded else "",
+                diffs,
+            ]
         )
-    return lines
+    return _table(intro, columns, cells)
 
 
 def _training(data: dict) -> list[str]:
     m = data["machine"]
-    lines = [
+    intro = (
         f"**`{data['command']}`** on {m['cpu']} ({m['cores']} cores), torch {data['torch']}, "
-        f"commit {data['git_commit'][:7]}",
-        "",
-        "| algo | wall (warm-up + RL) | RL steps/s | eval accuracy, step 0 -> last | peak RSS MB |",
-        "|---|---|---|---|---|",
+        f"commit {data['git_commit'][:7]}"
+    )
+    columns = ["algo", "wall (warm-up + RL)", "RL steps/s", "eval accuracy, step 0 -> last"]
+    columns += ["peak RSS MB"]
+    cells = [
+        [
+            algo,
+            f"{r['wall_s_total']:.0f} s",
+            f"{r['rl_steps_per_s']:.1f}",
+            f"{r['eval_accuracy_step0']:.3f} -> {r['eval_accuracy_final']:.3f}",
+            r["peak_rss_mb"],
+        ]
+        for algo, r in data["runs"].items()
     ]
-    for algo, r in data["runs"].items():
-        lines.append(
-            f"| {algo} | {r['wall_s_total']:.0f} s | {r['rl_steps_per_s']:.1f} | "
-            f"{r['eval_accuracy_step0']:.3f} -> {r['eval_accuracy_final']:.3f} | "
-            f"{r['peak_rss_mb']} |"
-        )
-    return lines
+    return _table(intro, columns, cells)
 
 
 # The code each results file measures (git pathspecs): a table whose file was recorded at a commit

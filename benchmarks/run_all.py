@@ -155,66 +155,51 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
     s.cmd = [PY, "-m", "fastrl.kernels.compile_check", "--json"]
     stages.append(s)
 
-    s = Stage("policy-loss", results=[f"bench_policy_loss_{dev}"])
-    if missing["trl"]:
-        s.why_skipped = f"its baseline trl-eager needs trl ({missing['trl']})"
-    else:
-        s.cmd = [PY, str(BENCH / "bench_policy_loss.py"), *common, "--no-progress"]
-        s.cmd += ["--device", dev]
-        if quick:
-            s.cmd += ["--quick", "--dtype", "fp32"]
-        elif cuda:
-            s.cmd += ["--shapes", "128x128x32000,128x128x151936", "--dtype", "bf16"]
-            s.cmd += ["--warmup", "25", "--rep", "100"]
-        s.cmd += no_liger + (["--no-verl"] if missing["verl"] else [])
-    stages.append(s)
+    def bench(name, script, skip=None, quick_args=(), cuda_args=(), tail=(), bar=True):
+        """The stage of benchmarks/<script>: `--out <out> [--no-progress] --device <dev>` (the
+        benchmarks with a progress bar, `bar`, get --no-progress), then quick_args (--quick) or
+        cuda_args (a full run on CUDA), then `tail`; skipped when `skip` says why."""
+        s = Stage(name, results=[f"{Path(script).stem}_{dev}"], why_skipped=skip or "")
+        if not skip:
+            s.cmd = [PY, str(BENCH / script), *common, *(["--no-progress"] if bar else [])]
+            s.cmd += ["--device", dev, *(quick_args if quick else cuda_args if cuda else ())]
+            s.cmd += tail
+        return s
 
-    s = Stage("fused-linear", results=[f"bench_fused_linear_{dev}"])
-    if missing["trl"]:
-        s.why_skipped = f"its baselines (TRL's loss and chunked head) need trl ({missing['trl']})"
-    else:
-        s.cmd = [PY, str(BENCH / "bench_fused_linear.py"), *common, "--no-progress"]
-        s.cmd += ["--device", dev]
-        if quick:
-            s.cmd += ["--quick", "--dtype", "fp32"]
-        elif cuda:
-            s.cmd += ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16"]
-            s.cmd += ["--warmup", "25", "--rep", "100"]
-        s.cmd += no_liger
-    stages.append(s)
-
-    s = Stage("packed", results=[f"bench_packed_{dev}"])
-    if missing["trl"]:
-        s.why_skipped = f"its baseline trl-eager-padded needs trl ({missing['trl']})"
-    else:
-        s.cmd = [PY, str(BENCH / "bench_packed.py"), *common, "--no-progress", "--device", dev]
-        s.cmd += ["--quick", "--dtype", "fp32"] if quick else []
-    stages.append(s)
-
-    s = Stage("vocab-parallel", results=[f"bench_vocab_parallel_{dev}"])
-    s.cmd = [PY, str(BENCH / "bench_vocab_parallel.py"), *common, "--no-progress"]
-    s.cmd += ["--device", dev] + (["--quick"] if quick else [])
-    stages.append(s)
-
-    s = Stage("gae", results=[f"bench_gae_{dev}"])
-    s.cmd = [PY, str(BENCH / "bench_gae.py"), *common, "--device", dev]
-    if quick:
-        s.cmd += ["--B", "64", "--T", "1024", "--rep", "5", "--loop-rep", "2"]
-    stages.append(s)
-
-    s = Stage("sample", results=[f"bench_sample_{dev}"])
-    s.cmd = [PY, str(BENCH / "bench_sample.py"), *common, "--device", dev]
-    if quick:
-        s.cmd += ["--N", "32", "--V", "8192", "--rep", "5"]
-    stages.append(s)
-
-    s = Stage("trl-step", results=[f"bench_trl_step_{dev}"])
-    if missing["trl"] or missing["datasets"]:
-        s.why_skipped = f"needs trl and datasets ({missing['trl'] or missing['datasets']})"
-    else:
-        s.cmd = [PY, str(BENCH / "bench_trl_step.py"), *common, "--device", dev]
-        s.cmd += ["--quick"] if quick else []
-    stages.append(s)
+    no_trl = missing["trl"]
+    fp32 = ["--quick", "--dtype", "fp32"]
+    do_bench = ["--warmup", "25", "--rep", "100"]
+    no_verl = ["--no-verl"] if missing["verl"] else []
+    stages.append(
+        bench(
+            "policy-loss",
+            "bench_policy_loss.py",
+            no_trl and f"its baseline trl-eager needs trl ({no_trl})",
+            fp32,
+            ["--shapes", "128x128x32000,128x128x151936", "--dtype", "bf16", *do_bench],
+            no_liger + no_verl,
+        )
+    )
+    stages.append(
+        bench(
+            "fused-linear",
+            "bench_fused_linear.py",
+            no_trl and f"its baselines (TRL's loss and chunked head) need trl ({no_trl})",
+            fp32,
+            ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16", *do_bench],
+            no_liger,
+        )
+    )
+    why = no_trl and f"its baseline trl-eager-padded needs trl ({no_trl})"
+    stages.append(bench("packed", "bench_packed.py", why, fp32))
+    stages.append(bench("vocab-parallel", "bench_vocab_parallel.py", quick_args=["--quick"]))
+    quick_gae = ["--B", "64", "--T", "1024", "--rep", "5", "--loop-rep", "2"]
+    stages.append(bench("gae", "bench_gae.py", quick_args=quick_gae, bar=False))
+    quick_sample = ["--N", "32", "--V", "8192", "--rep", "5"]
+    stages.append(bench("sample", "bench_sample.py", quick_args=quick_sample, bar=False))
+    lacking = no_trl or missing["datasets"]
+    why = lacking and f"needs trl and datasets ({lacking})"
+    stages.append(bench("trl-step", "bench_trl_step.py", why, ["--quick"], bar=False))
 
     if args.readme:
         stages.append(Stage("readme", cmd=readme_cmd(args)))
