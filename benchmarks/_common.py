@@ -57,7 +57,11 @@ PEAK_BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM pea
 
 
 def git_commit() -> str:
-    """HEAD, with "-dirty" when the code differs from it (results files do not count)."""
+    """HEAD, with "-dirty" when the code differs from it (results files do not count); where
+    the environment sets FASTRL_GIT_COMMIT (a copy of the tree with no .git, e.g. a lent GPU
+    machine: benchmarks/gpu_run.sh), that."""
+    if os.environ.get("FASTRL_GIT_COMMIT"):
+        return os.environ["FASTRL_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

@@ -3,6 +3,11 @@ summary (and the README tables on request).
 
     python benchmarks/run_all.py --out benchmarks/results --readme   # on a CUDA machine
     python benchmarks/run_all.py --out /tmp/run --quick              # CPU smoke run (~3-4 min)
+    python benchmarks/run_all.py --merge A B --out benchmarks/results --readme  # calls A, B as one
+
+On a lent GPU machine (600 s a call) the stages are split over calls with --stages
+(benchmarks/gpu_prep.sh here, benchmarks/gpu_run.sh there: README "On a lent GPU machine"), and
+--merge joins the calls' folders afterwards.
 
 Stages, in order, each a subprocess with its own timeout (a failed or timed-out stage is reported
 and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
@@ -48,9 +53,11 @@ has not run on a GPU yet); the stage timeouts total more (see --timeout).
 from __future__ import annotations
 
 import argparse
+import calendar
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -570,6 +577,11 @@ def markdown(summary: dict) -> str:
         f"`{summary['command']}`: {summary['mode']}, started {summary['started_utc']}, "
         f"{summary['total_s']:.0f} s in all.",
         "",
+        *(
+            [f"Merged from the runs in {', '.join(summary['merged_from'])}.", ""]
+            if summary.get("merged_from")
+            else []
+        ),
         "| stage | status | seconds | detail |",
         "|---|---|---|---|",
     ]
@@ -685,6 +697,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of the stages to run (default all): " + ",".join(STAGES),
     )
     p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="run nothing: merge the --out folders of earlier run_all calls (a GPU session's "
+        "calls, split by --stages to fit the time of one call) into --out: their results "
+        "files, pytest_gpu.xml, compile_check.json and logs are copied, and one summary.json / "
+        "summary.md covers the stages of all of them (a stage that ran in a later DIR "
+        "replaces the same stage of an earlier one); with --readme the README tables are then "
+        "rebuilt from --out",
+    )
+    p.add_argument(
         "--timeout",
         action="append",
         default=[],
@@ -696,8 +720,78 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def merge(args) -> int:
+    """--merge DIR...: the runs of several calls as one (see --help); exit status 0 when no
+    merged stage failed."""
+    out = Path(args.out).resolve()
+    args.out = str(out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    parts = []
+    for d in map(Path, args.merge):
+        summary = _load(d / "summary.json")
+        if not isinstance(summary, dict) or "stages" not in summary:
+            raise SystemExit(f"--merge: {d} holds no summary.json of run_all")
+        parts.append((d.resolve(), summary))
+    stages: dict[str, dict] = {}
+    merged = {"pytest_gpu": None, "compile_check": None}
+    hidden: dict[str, str | None] = dict.fromkeys(BASELINES)
+    for d, summary in parts:
+        if d != out:  # copy2 keeps the mtimes: a file counts as written by the run it came from
+            for f in [*d.iterdir(), *(d / "logs").glob("*.log")]:
+                if f.is_file() and f.name not in ("summary.json", "summary.md"):
+                    shutil.copy2(f, out / f.relative_to(d))
+        ran = {st["name"] for st in summary["stages"] if st["status"] != "skipped"}
+        for st in summary["stages"]:
+            if st["name"] in ran or st["name"] not in stages:
+                stages[st["name"]] = {**st, "from": str(d)}
+        for key, stage in (("pytest_gpu", "pytest-gpu"), ("compile_check", "compile-check")):
+            if stage in ran:  # its counts come with the stage
+                merged[key] = summary.get(key)
+        hidden.update(summary.get("hidden_or_missing_packages") or {})
+    if args.readme:
+        readme = Stage("readme", cmd=readme_cmd(args))
+        run_stage(readme, TIMEOUTS["readme"][0], out / "logs")
+        stages["readme"] = dict(
+            name="readme",
+            status=readme.status,
+            detail=readme.detail,
+            seconds=round(readme.seconds, 1),
+            log="logs/readme.log",
+        )
+    cuda = any(summary.get("benchmark_device") == "cuda" for _, summary in parts)
+    starts = [summary["started_utc"] for _, summary in parts]
+    since = min(calendar.timegm(time.strptime(t, "%Y-%m-%dT%H:%M:%SZ")) for t in starts)
+    summary = {
+        "command": " ".join([Path(PY).name, *sys.argv]),
+        "mode": " + ".join(dict.fromkeys(summary["mode"] for _, summary in parts)),
+        "cuda": next((summary["cuda"] for _, summary in parts if summary.get("cuda")), False),
+        "benchmark_device": "cuda" if cuda else "cpu",
+        "started_utc": min(starts),
+        "total_s": round(sum(summary["total_s"] for _, summary in parts), 1),
+        "merged_from": [str(d) for d, _ in parts],
+        "stages": sorted(stages.values(), key=lambda st: STAGES.index(st["name"])),
+        **merged,
+        "headlines": headlines(out, cuda, since),
+        "baselines": baseline_report(out, cuda, hidden),
+        "hidden_or_missing_packages": {k: v for k, v in hidden.items() if v},
+        "results_files": results_files(out),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown(summary))
+    failed = [st["name"] for st in summary["stages"] if st["status"] == "failed"]
+    which = ": " + ", ".join(failed) if failed else ""
+    print(
+        f"run_all --merge: {len(parts)} runs, {len(failed)} failed stage(s){which}; "
+        f"{out / 'summary.md'}",
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        return merge(args)
     skip = {x for item in args.skip for x in item.split(",") if x}
     unknown = skip - set(BASELINES)
     if unknown:

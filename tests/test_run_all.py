@@ -3,7 +3,8 @@ minutes): every stage runs and is reported, the summary files carry per-stage st
 counts and the headline ratios read from the results files, the results files carry the machine,
 versions and commit, a hidden baseline package is reported as skipped (--skip liger), a stage
 past its timeout is reported as failed while the later ones still run (--timeout gae=0), and
---readme rewrites the README's bench block from the run's folder (on a copy of the README)."""
+--readme rewrites the README's bench block from the run's folder (on a copy of the README), and
+--merge joins that run with a later call's (a GPU session's calls, split by --stages)."""
 
 from __future__ import annotations
 
@@ -193,12 +194,48 @@ def test_readme_bench_block_rewritten_from_the_run(run):
         assert mine == theirs, block
 
 
+def test_merge_joins_the_calls_of_a_split_run(run, tmp_path):
+    """A second call runs only the stage that failed in the first (gae), as a GPU session's
+    later call would, on a copy of the tree without .git (FASTRL_GIT_COMMIT names the commit);
+    --merge of both folders: every stage once, gae from the second call and passed, the
+    others and pytest's counts from the first, the results files of both."""
+    _, first, first_summary, _ = run
+    second, merged = tmp_path / "second", tmp_path / "merged"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(second), "--stages", "gae"]
+    env = dict(_env(), FASTRL_GIT_COMMIT="0123abc-lent-gpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    gae_meta = json.loads((second / "bench_gae_cpu.json").read_text())["meta"]
+    assert gae_meta["git_commit"] == "0123abc-lent-gpu"
+
+    cmd = [sys.executable, str(SCRIPT), "--merge", str(first), str(second), "--out", str(merged)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the failed gae was run again and passed
+    summary = json.loads((merged / "summary.json").read_text())
+    stages = {s["name"]: s for s in summary["stages"]}
+    assert list(stages) == [s["name"] for s in first_summary["stages"]]  # each once, in order
+    assert stages["gae"]["status"] == "passed" and stages["gae"]["from"] == str(second)
+    assert stages["sample"]["status"] == "passed" and stages["sample"]["from"] == str(first)
+    assert summary["pytest_gpu"] == first_summary["pytest_gpu"]
+    assert summary["merged_from"] == [str(first), str(second)]
+    files = {f["file"] for f in summary["results_files"]}
+    assert {"bench_gae_cpu.json", "bench_sample_cpu.json", "bench_trl_step_cpu.json"} <= files
+    assert (merged / "logs" / "gae.log").read_text() == (second / "logs" / "gae.log").read_text()
+    assert any(h["bench"] == "gae" and h["this_run"] for h in summary["headlines"])
+    assert "Merged from the runs in" in (merged / "summary.md").read_text()
+
+    bad = subprocess.run([*cmd[:2], "--merge", str(tmp_path), "--out", str(merged)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "holds no summary.json" in bad.stderr
+
+
 def test_help_explains_every_option():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0
-    for opt in ("--out", "--quick", "--readme", "--readme-path", "--skip", "--stages", "--timeout"):
+    opts = ("--out", "--quick", "--readme", "--readme-path", "--skip", "--stages", "--timeout")
+    for opt in (*opts, "--merge"):
         assert opt in proc.stdout, opt
     for stage in ("pytest-gpu", "compile-check", *BENCH_STAGES):
         assert stage in proc.stdout, stage
