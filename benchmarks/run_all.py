@@ -11,8 +11,9 @@ On a lent GPU machine (600 s a call) the stages are split over calls with --stag
 
 Stages, in order, each a subprocess with its own timeout (a failed or timed-out stage is reported
 and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
-  pytest-gpu      python -m pytest -m gpu tests/ (junit XML in <out>/pytest_gpu.xml); without a
-                  CUDA device every test skips, and the summary says so
+  pytest-gpu      python -m pytest -m gpu tests/ (junit XML in <out>/pytest_gpu.xml; on CUDA with
+                  up to 8 pytest-xdist workers sharing the device); without a CUDA device every
+                  test skips, and the summary says so
   compile-check   python -m fastrl.kernels.compile_check --json (<out>/compile_check.json): every
                   Triton kernel compiled for sm_80 / sm_90a at every launch configuration
   policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 32000 and 151936,
@@ -141,6 +142,16 @@ def has_cuda() -> bool:
         return False
 
 
+def pytest_workers(cuda: bool) -> list[str]:
+    """pytest-xdist options for the GPU tests: on CUDA, up to 8 processes share the device (a
+    fresh machine JIT-compiles every kernel configuration the tests reach, and a call may run
+    600 s at most: the compiles run in parallel); none without CUDA (every test skips) or
+    without pytest-xdist."""
+    if not cuda or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
+
+
 def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
     """The stages with their commands (or the reason they are skipped)."""
     out, quick = Path(args.out), args.quick
@@ -155,6 +166,7 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
     else:
         s.cmd = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
         s.cmd += ["-o", "junit_family=xunit2", "--junitxml", str(out / "pytest_gpu.xml")]
+        s.cmd += pytest_workers(cuda)
         s.cmd += [str(ROOT / "tests")]
     stages.append(s)
 

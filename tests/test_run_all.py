@@ -252,3 +252,26 @@ def test_bad_options_are_refused():
         )
         assert proc.returncode != 0, bad
         assert "unknown" in proc.stderr or "expected" in proc.stderr, (bad, proc.stderr)
+
+
+def test_gpu_tests_run_in_parallel_only_on_cuda(monkeypatch):
+    """On CUDA the GPU tests share the device over pytest-xdist workers (a fresh machine compiles
+    every kernel configuration, within a 600 s call); without CUDA they all skip, serially."""
+    import importlib.util
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    args = run_all.build_parser().parse_args(["--out", "/tmp/x"])
+    missing = run_all.available(set())
+    cpu = run_all.plan(args, False, missing)[0]
+    assert cpu.name == "pytest-gpu" and "-n" not in cpu.cmd
+    gpu = run_all.plan(args, True, missing)[0]
+    assert gpu.cmd[gpu.cmd.index("-n") + 1] in {str(k) for k in range(1, 9)}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "xdist" else real(name)
+    )
+    assert "-n" not in run_all.plan(args, True, missing)[0].cmd

@@ -77,6 +77,37 @@ def train(cls, model_dir, out, **kw):
     return before, after, trainer.state.log_history
 
 
+def train_ours(monkeypatch, model_dir, out, **kw):
+    """`train` with the drop-in, checking that it runs fastrl's head (prompt rows masked out)
+    and never TRL's chunked one."""
+    calls = []
+    real_linear_logprobs = fastrl.linear_logprobs
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("mask"))
+        return real_linear_logprobs(*args, **kwargs)
+
+    class NoTRLHead:
+        @staticmethod
+        def apply(*args):
+            raise AssertionError("the drop-in ran TRL's fused LM head")
+
+    monkeypatch.setattr(fastrl, "linear_logprobs", counting)
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", NoTRLHead)
+    result = train(fastrl_trl.GRPOTrainer, model_dir, out, **kw)
+    assert calls and all(m is not None and not m[:, 0].any() for m in calls)  # prompt skipped
+    return result
+
+
+def relative_update_difference(before, stock, ours) -> float:
+    """|ours - stock| / |stock - before| over all parameters (fp32), after checking that the
+    stock run moved enough for the comparison to mean something."""
+    flat = lambda ps: torch.cat([p.float().flatten().cpu() for p in ps])  # noqa: E731
+    update = (flat(stock) - flat(before)).norm()
+    assert update > 0.05, f"the stock run barely moved ({update:.3g}): nothing is compared"
+    return float((flat(ours) - flat(stock)).norm() / update)
+
+
 CASES = {
     "grpo": dict(loss_type="grpo", beta=0.04),
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
@@ -106,30 +137,11 @@ METRICS = ("kl", "entropy", "cispo_clip_ratio", "policy_loss", "entropy_coef", "
 def test_same_parameters_and_metrics_as_trl(case, model_dir, tmp_path, monkeypatch):
     cfg = CASES[case]
     before, stock, stock_logs = train(trl.GRPOTrainer, model_dir, tmp_path / "stock", **cfg)
+    start, ours, our_logs = train_ours(monkeypatch, model_dir, tmp_path / "ours", **cfg)
 
-    # the drop-in must run fastrl's head, never TRL's chunked one
-    calls = []
-    real_linear_logprobs = fastrl.linear_logprobs
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("mask"))
-        return real_linear_logprobs(*args, **kwargs)
-
-    class NoTRLHead:
-        @staticmethod
-        def apply(*args):
-            raise AssertionError("the drop-in ran TRL's fused LM head")
-
-    monkeypatch.setattr(fastrl, "linear_logprobs", counting)
-    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", NoTRLHead)
-    start, ours, our_logs = train(fastrl_trl.GRPOTrainer, model_dir, tmp_path / "ours", **cfg)
-
-    assert calls and all(m is not None and not m[:, 0].any() for m in calls)  # prompt skipped
     assert all(torch.equal(a, b) for a, b in zip(before, start))
-    update = torch.cat([(b - a).flatten() for a, b in zip(before, stock)]).norm()
-    diff = torch.cat([(b - a).flatten() for a, b in zip(stock, ours)]).norm()
-    assert update > 0.05, f"the stock run barely moved ({update:.3g}): nothing is compared"
-    assert diff / update <= 1e-4, f"{case}: relative update difference {diff / update:.3g}"
+    rel = relative_update_difference(before, stock, ours)
+    assert rel <= 1e-4, f"{case}: relative update difference {rel:.3g}"
 
     assert len(stock_logs) == len(our_logs)
     for theirs, mine in zip(stock_logs, our_logs):
@@ -139,6 +151,37 @@ def test_same_parameters_and_metrics_as_trl(case, model_dir, tmp_path, monkeypat
             assert mine[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), (case, k)
     if cfg.get("beta"):
         assert any(log.get("kl", 0) > 0 for log in our_logs)
+
+
+# bf16: TRL's usual mixed precision (autocast over fp32 master weights) and a model loaded in
+# bf16. Three optimizer steps on one generation (num_iterations 3, no accumulation): both runs
+# sample the same completions from the same initial weights, so what differs is only the head and
+# the loss. bf16 rounds at ~4e-3; measured on the 2-core CPU: 6e-3 relative update difference
+# (autocast) and 0 (bf16 weights). On CUDA this is the GPU run's drop-in check.
+BF16_RUNS = {
+    "autocast": {},
+    "bf16-weights": dict(model_init_kwargs={"dtype": torch.bfloat16}),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("run", list(BF16_RUNS))
+def test_bf16_three_steps_as_trl(device, run, model_dir, tmp_path, monkeypatch):
+    kw = dict(
+        BF16_RUNS[run], bf16=True, use_cpu=device == "cpu", max_steps=3,
+        gradient_accumulation_steps=1, num_iterations=3, loss_type="grpo", beta=0.04,
+    )  # fmt: skip
+    before, stock, stock_logs = train(trl.GRPOTrainer, model_dir, tmp_path / "stock", **kw)
+    _, ours, our_logs = train_ours(monkeypatch, model_dir, tmp_path / "ours", **kw)
+    assert stock[0].device.type == device and ours[0].device.type == device
+    assert (stock[0].dtype == torch.bfloat16) == (run == "bf16-weights")
+    rel = relative_update_difference(before, stock, ours)
+    assert rel <= 3e-2, f"{run} on {device}: relative update difference {rel:.3g}"
+    assert len(stock_logs) == len(our_logs) == 4  # 3 steps + the summary
+    for theirs, mine in zip(stock_logs[:3], our_logs[:3]):
+        for k in ("loss", "kl", "entropy"):
+            assert mine[k] == pytest.approx(theirs[k], rel=2e-2, abs=2e-3), (run, device, k)
+    assert our_logs[2]["kl"] > 0
 
 
 @pytest.mark.parametrize(
