@@ -14,7 +14,11 @@ w.r.t. the logits (their values agree; each row records its loss value).
 
 Rows (methods):
   fastrl               fastrl.policy_loss(..., config=LossConfig.grpo()): dL/dlogits is computed
-                       in the forward; the backward only scales it by grad_output
+                       in the forward; the backward only scales it by grad_output. On CUDA a
+                       token-separable loss (GRPO here) runs the one-pass kernel: each row's
+                       statistics and gradient in one program (_policy_loss_fwd_kernel)
+  fastrl-two-kernel    CUDA only: the same with FASTRL_ONE_PASS=0 (statistics kernel, O(N)
+                       autograd of the per-token terms, gradient kernel): the one-pass kernel's A/B
   fastrl-inplace       the same with inplace=True: the gradient overwrites the logits buffer (the
                        timed loop keeps calling it on that buffer; the cost does not depend on the
                        values)
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import warnings
@@ -78,6 +83,7 @@ BASELINE = "trl-eager"
 ORACLE = "reference (oracle)"
 METHODS = (
     "fastrl",
+    "fastrl-two-kernel",  # CUDA only: FASTRL_ONE_PASS=0, the A/B of the one-pass kernel
     "fastrl-inplace",
     "trl-eager",
     "trl-eager-compiled",
@@ -133,6 +139,16 @@ def build_methods(inp, args, device, notes):
     methods = {}
     if "fastrl" in wanted:
         methods["fastrl"] = lambda x: fastrl.policy_loss(view(x), **rest, config=cfg).loss
+    if device.type == "cuda" and "fastrl-two-kernel" in wanted:
+
+        def two_kernel(x):  # statistics kernel, O(N) autograd, gradient kernel
+            os.environ["FASTRL_ONE_PASS"] = "0"
+            try:
+                return fastrl.policy_loss(view(x), **rest, config=cfg).loss
+            finally:
+                os.environ.pop("FASTRL_ONE_PASS")
+
+        methods["fastrl-two-kernel"] = two_kernel
     if "fastrl-inplace" in wanted:
         # inplace=True refuses the caller's own leaf tensor: it gets what a trainer passes, the
         # output of an op (here `x + 0`, made outside the timed and measured region)

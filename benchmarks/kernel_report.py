@@ -35,6 +35,7 @@ L2_MB = 50  # H100 SXM and H200
 SMS = 132  # H100 SXM and H200
 
 STATS, GRAD, SCALE = "_token_stats_fwd_kernel", "_token_stats_bwd_kernel", "_scale_grad_kernel"
+ONE_PASS = "_policy_loss_fwd_kernel"
 GEMM = "GEMM (cuBLAS)"
 
 # op -> (passes over a logits row: (what, kernel, rows read, rows written), floor (reads, writes),
@@ -44,21 +45,28 @@ GEMM = "GEMM (cuBLAS)"
 OPS = {
     "policy_loss fwd + bwd": (
         [
-            ("row statistics (forward)", STATS, 1, 0),
-            ("dL/dz (forward: g, h known)", GRAD, 1, 1),
+            ("row statistics, then dL/dz, one program per row (forward)", ONE_PASS, 2, 1),
             ("x grad_output (backward; skipped when it is 1)", SCALE, 0, 0),
         ],
         (1, 1),
-        "one program per row runs both passes; the second read hits L2",
+        "the one-pass kernel's second sweep of a row from L2 (persistent grid sized to it): "
+        "counted as an HBM read until a GPU measures it",
     ),
     "policy_loss fwd + bwd, grad_output != 1": (
         [
-            ("row statistics (forward)", STATS, 1, 0),
-            ("dL/dz (forward)", GRAD, 1, 1),
+            ("row statistics, then dL/dz (forward)", ONE_PASS, 2, 1),
             ("x grad_output (backward)", SCALE, 1, 1),
         ],
         (1, 1),
         "as above, with the scale folded into the loss (e.g. its num_tokens) so grad_output = 1",
+    ),
+    "policy_loss fwd + bwd, sequence-level (GSPO, sequence IS)": (
+        [
+            ("row statistics (forward)", STATS, 1, 0),
+            ("dL/dz (forward: g, h from every row)", GRAD, 1, 1),
+        ],
+        (2, 1),
+        "at the floor: g needs every row's statistics first",
     ),
     "logprobs fwd + bwd": (
         [("row statistics (forward)", STATS, 1, 0), ("dL/dz (backward)", GRAD, 1, 1)],
@@ -78,13 +86,13 @@ OPS = {
     "fused_linear_policy_loss (logits by chunks)": (
         [
             ("logits = h W^T", GEMM, 0, 1),
-            ("row statistics", STATS, 1, 0),
-            ("dL/dz, in place", GRAD, 1, 1),
+            ("row statistics, then dL/dz in place, one program per row", ONE_PASS, 2, 1),
             ("dX = dz W", GEMM, 1, 0),
             ("dW += dz^T X", GEMM, 1, 0),
         ],
         (3, 2),
-        "stats + gradient in one pass (as policy_loss); a chunk held in L2 would go below",
+        "the one-pass kernel's second sweep from L2 (as policy_loss); a chunk held in L2 "
+        "would go below",
     ),
     "linear_logprobs fwd + bwd": (
         [

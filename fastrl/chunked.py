@@ -11,7 +11,7 @@ The backend interface (the same names as the Triton launchers in fastrl/kernels/
                                               (tau: a float, or a (B, T) per-row tensor)
   row_grad_(logits, tokens, lse, H, g, h, tau, out)    SPEC 6's dL/dz from (g, h) into `out`
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
-  stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads)
+  stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
                                               statistics, then (g, h), then dL/dz into `out`: here
                                               with one exp per logit, in ONE pass for a
                                               token-separable loss (`one_pass_`, g and h per
@@ -425,12 +425,13 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
     return out
 
 
-def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None):
+def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, row_terms=None):
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
     `logits`) from (g, h) = grad_fn(logp, H) (all rows at once). `rows_grads`: None, or (for a
     token-separable loss) a function returning rows_grad_fn(r0, r1, logp, H) -> (g, h) of rows
     r0:r1 alone: then each chunk is finished in the pass that reduces it (`one_pass_`).
-    temperature: a float, or a (B, T) tensor of per-row temperatures."""
+    temperature: a float, or a (B, T) tensor of per-row temperatures. `row_terms` (the Triton
+    one-pass kernel's loss description) is not used here: the interface is the kernels'."""
     if rows_grads is not None:
         return one_pass_(logits, tokens, temperature, rows_grads(), out)
     logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out)

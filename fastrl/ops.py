@@ -321,20 +321,25 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     The backend's `stats_and_grad_` does the passes: one exp per logit on the torch path, in one
     pass over the logits when the loss is token-separable (then it finishes rows chunk by chunk
     with `rows_grads`); stats + gradient kernels on Triton."""
-    from .terms import aggregation_weights, is_token_separable
+    from .terms import aggregation_weights, is_token_separable, token_grad_terms
 
     def grad_fn(lp, ent):  # (g, h) of every row
         return token_grads(lp, ent, x, weights)
 
-    rows_grads = None
+    def loss_weights():  # c_t = dloss/dL_t of every row
+        if weights is not None:
+            return weights
+        with _autograd_enabled():  # inside a custom op: below autograd
+            return aggregation_weights(x)
+
+    rows_grads = row_terms = None
     if is_token_separable(x.config):
 
+        def row_terms():  # the loss as the Triton one-pass kernel takes it
+            return token_grad_terms(x, loss_weights())
+
         def rows_grads():  # (g, h) of rows r0:r1 alone, from their weights c_t = dloss/dL_t
-            w = weights
-            if w is None:
-                with _autograd_enabled():  # inside a custom op: below autograd
-                    w = aggregation_weights(x)
-            flat, w = flat_inputs(x), w.reshape(1, -1)
+            flat, w = flat_inputs(x), loss_weights().reshape(1, -1)
 
             def rows_grad_fn(r0, r1, lp, ent):
                 rows = select_rows(flat, slice(r0, r1))
@@ -345,7 +350,7 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
 
     kernels = backend(logits.device)
     tau = temperature_arg(temperature)
-    return kernels.stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads)
+    return kernels.stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
 
 
 # --------------------------------------------------------------------------- the policy-loss ops

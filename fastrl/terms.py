@@ -166,6 +166,77 @@ def is_token_separable(cfg: LossConfig) -> bool:
     return cfg.ratio_level == "token" and cfg.rollout_is != "sequence" and not seq_kl_weight
 
 
+def rollout_is_weights(
+    cfg: LossConfig, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """SPEC 3, detached, (B, T) each: `is_weight` w_t (truncated or masked), `is_weight_raw`
+    before that, `is_over_cap` 1 where the raw weight lies outside [floor, cap]. Token level:
+    w_t = exp(old_t - rollout_t); sequence level: the exp of the masked sum over the sequence."""
+    log_is_weight = (old_logp - rollout_logp).detach()
+    if cfg.rollout_is == "sequence":
+        log_is_weight = masked_sum(log_is_weight, mask, -1, keepdim=True).expand_as(old_logp)
+    is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    floor = 0.0 if cfg.rollout_is_floor is None else cfg.rollout_is_floor
+    outside = (is_weight_raw > cfg.rollout_is_cap) | (is_weight_raw < floor)
+    over_cap = outside.float()
+    if cfg.rollout_is_mode == "truncate":  # w = clamp(w, floor, cap)
+        is_weight = torch.clamp(is_weight_raw, min=floor, max=cfg.rollout_is_cap)
+    else:  # w = w * 1[floor <= w <= cap]
+        is_weight = is_weight_raw * (1 - over_cap)
+    return {"is_weight": is_weight, "is_weight_raw": is_weight_raw, "is_over_cap": over_cap}
+
+
+@dataclass(frozen=True)
+class TokenGradTerms:
+    """A token-separable policy loss as the one-pass Triton kernel takes it
+    (fastrl.kernels.policy_loss.policy_rows_): loss = sum_t c_t L_t(logp_t, H_t), so g_t and h_t
+    follow from each row alone. Per-token tensors fp32 (N,) contiguous on the logits' device;
+    the constants under LossConfig's names (SPEC 1-5)."""
+
+    weight: Tensor  # c_t = d loss / d L_t (`aggregation_weights`; 0 where the mask is 0)
+    advantages: Tensor  # A_t
+    old_logp: Tensor | None  # None: pi_old = pi (r = 1)
+    ref_logp: Tensor | None  # None: no KL term
+    is_weight: Tensor | None  # the detached token-level rollout IS weight w_t; None: 1
+    policy: str
+    clip_low: float
+    clip_high: float
+    clip_dual: float | None
+    clip_delta: float | None
+    kl_coef: float
+    kl_estimator: str
+    kl_bias_correction: bool  # token level (is_token_separable): kl * r
+    entropy_coef: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+
+
+def token_grad_terms(x: PolicyInputs, weights: Tensor) -> TokenGradTerms | None:
+    """The TokenGradTerms of x's token-separable loss (`is_token_separable`) with aggregation
+    weights c_t (`aggregation_weights`, x's layout), or None when a per-token input depends on
+    the logits themselves (rollout IS without old_logp: w_t = exp(logp_t - rollout_t))."""
+    cfg = x.config
+    if cfg.rollout_is is not None and x.old_logp is None:
+        return None
+    N = x.tokens.numel()
+
+    def flat(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach().reshape(N).float().contiguous()
+
+    is_weight = None
+    if cfg.rollout_is is not None:
+        is_weight = rollout_is_weights(cfg, x.old_logp, x.rollout_logp, x.mask)["is_weight"]
+    return TokenGradTerms(
+        weight=flat(weights), advantages=flat(x.advantages), old_logp=flat(x.old_logp),
+        ref_logp=flat(x.ref_logp) if cfg.kl_coef != 0 else None, is_weight=flat(is_weight),
+        policy=cfg.policy, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        clip_dual=cfg.clip_dual, clip_delta=cfg.clip_delta, kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
+        entropy_coef=cfg.entropy_coef, sapo_tau_pos=cfg.sapo_tau_pos,
+        sapo_tau_neg=cfg.sapo_tau_neg,
+    )  # fmt: skip
+
+
 def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
     """SPEC 1-4 and the per-token total of SPEC 5 from logp and entropy (fp32 (B, T)).
 
@@ -218,19 +289,8 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
     # SPEC 3: rollout correction (truncated importance sampling), detached
     terms = {}
     if cfg.rollout_is is not None:
-        log_is_weight = (old_logp - x.rollout_logp).detach()
-        if cfg.rollout_is == "sequence":
-            log_is_weight = masked_sum(log_is_weight, mask, -1, keepdim=True).expand_as(logp)
-        is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        floor = 0.0 if cfg.rollout_is_floor is None else cfg.rollout_is_floor
-        outside = (is_weight_raw > cfg.rollout_is_cap) | (is_weight_raw < floor)
-        over_cap = outside.float()
-        if cfg.rollout_is_mode == "truncate":  # w = clamp(w, floor, cap)
-            is_weight = torch.clamp(is_weight_raw, min=floor, max=cfg.rollout_is_cap)
-        else:  # w = w * 1[floor <= w <= cap]
-            is_weight = is_weight_raw * (1 - over_cap)
-        pg_loss = is_weight * pg_loss
-        terms = {"is_weight": is_weight, "is_weight_raw": is_weight_raw, "is_over_cap": over_cap}
+        terms = rollout_is_weights(cfg, old_logp, x.rollout_logp, mask)
+        pg_loss = terms["is_weight"] * pg_loss
 
     # SPEC 4: KL to the reference policy
     if x.ref_logp is not None:

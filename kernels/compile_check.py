@@ -61,7 +61,12 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 def launcher_calls():
     """(description, LaunchConfig) of every launch the launchers choose over the shape grid."""
     from .gae import gae_scan_configs
-    from .policy_loss import row_grad_configs, row_stats_configs, scale_configs
+    from .policy_loss import (
+        policy_rows_configs,
+        row_grad_configs,
+        row_stats_configs,
+        scale_configs,
+    )
     from .sampling import sample_rows_configs
 
     for dtype in LOGIT_DTYPES:
@@ -86,6 +91,11 @@ def launcher_calls():
                         for cfg in row_grad_configs(N, V, dtype, has_h, row_temp=row_temp):
                             yield (
                                 f"row_grad_(N={N}, V={V}, {dt}, grad_entropy={has_h}{rt})",
+                                cfg,
+                            )
+                        for cfg in policy_rows_configs(N, V, dtype, has_h, row_temp=row_temp):
+                            yield (
+                                f"policy_rows_(N={N}, V={V}, {dt}, entropy_coef={has_h}{rt})",
                                 cfg,
                             )
                 for cfg in scale_configs(N, V, dtype):

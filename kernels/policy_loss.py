@@ -16,11 +16,19 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
   with g = dL/dlogp and h = dL/dH of that row (computed by autograd from the O(N) per-token
   terms). A row with g = h = 0 (a masked token) writes zeros without reading its logits.
+* `_policy_loss_fwd_kernel` (persistent grid, one program per row at a time): for a
+  token-separable loss (fastrl.terms.is_token_separable: the loss is sum_t c_t L_t(logp_t, H_t))
+  the two above in ONE program: the row's statistics, then g = c_t dL_t/dlogp_t written out here
+  (`_token_dloss_dlogp`: SPEC 1-4's derivative with autograd's conventions) and h = -c_t c_H,
+  then the gradient sweep, while the row is still in L2 (the grid holds as many rows in flight
+  as the L2 does: `_rows_in_flight`). FASTRL_ONE_PASS=0 keeps the two-kernel path.
 * `_scale_grad_kernel` (kernels/scale.py, re-exported here): grad *= the upstream gradient,
   skipped on the device when it is 1.
 
-So the forward + backward of the loss reads the logits twice and writes the gradient once; the
-per-token terms in between are O(N) torch math (fastrl/losses.py).
+So the forward + backward of a token-separable loss sweeps each logits row twice in one program
+(the second sweep can hit L2) and writes the gradient once; sequence-level options (GSPO ratio,
+sequence IS weights) need every row's statistics first: the statistics kernel, the O(N) torch
+math of the per-token terms (fastrl/terms.py), then the gradient kernel.
 
 Temperature: every kernel that reads logits takes `inv_temp` (fp32 scalar, 1 / tau) and, with the
 constexpr flag ROW_TEMP, reads each row's own 1 / tau_t from `inv_temp_ptr` (fp32 (B * T,)) instead:
@@ -34,14 +42,15 @@ y >= V) gives logp = NaN for that row (never a silently wrong number). A -inf lo
 vocabulary entry) has p = 0 and contributes 0 to H and to the gradient (p log p -> 0); a NaN or
 +inf logit makes lse, logp and H of its row NaN (so the loss is NaN: never hidden).
 
-Launchers below the kernels: `row_stats`, `row_grad_`, `scale_` (the backend-interface names the
-CPU backend uses too), each running the LaunchConfigs of its `*_configs` function; autograd and
-backend dispatch live in fastrl/ops.py.
+Launchers below the kernels: `row_stats`, `row_grad_`, `scale_`, `stats_and_grad_` (the
+backend-interface names the CPU backend uses too) and `policy_rows_`, each running the
+LaunchConfigs of its `*_configs` function; autograd and backend dispatch live in fastrl/ops.py.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -138,6 +147,7 @@ def _token_stats_store(
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
+    return logp, lse, entropy
 
 
 @triton.jit
@@ -235,27 +245,45 @@ def _token_stats_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
     out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
-    cols = tl.arange(0, BLOCK_V)
-
     g = tl.load(grad_logp_ptr + row)
     if HAS_GRAD_ENTROPY:
         h = tl.load(grad_entropy_ptr + row)
     else:
         h = g * 0.0
+    lse = tl.load(lse_ptr + row)
+    entropy = tl.load(entropy_ptr + row)
+    y = tl.load(tokens_ptr + row).to(tl.int64)
+    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+    _row_grad_store(row_ptr, out_ptr, V, y, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V)
+
+
+@triton.jit
+def _row_grad_store(
+    row_ptr,
+    out_ptr,
+    V,
+    y,
+    lse,
+    entropy,
+    g,
+    h,
+    inv_temp,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # SPEC 6 for one row into out_ptr: dL/dz_j = (1/tau) [g (1[j = y] - p_j) - h p_j (log p_j
+    # + H)], log p_j = z'_j - lse, BLOCK_V columns at a time. g = h = 0 (a masked token) writes
+    # zeros without reading the logits.
+    cols = tl.arange(0, BLOCK_V)
     if (g == 0.0) & (h == 0.0):
-        # masked token: zero gradient, the logits are not read
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             tl.store(
                 out_ptr + offs,
-                tl.zeros([BLOCK_V], dtype=tl.float32).to(grad_ptr.dtype.element_ty),
+                tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty),
                 mask=offs < V,
             )
     else:
-        lse = tl.load(lse_ptr + row)
-        entropy = tl.load(entropy_ptr + row)
-        y = tl.load(tokens_ptr + row).to(tl.int64)
-        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             valid = offs < V
@@ -267,7 +295,231 @@ def _token_stats_bwd_kernel(
                 # p (log p + H) := 0 where p = 0 (a -inf logit has no entropy gradient)
                 d -= h * p * tl.where(p > 0.0, log_p + entropy, 0.0)
             d = tl.where(offs == y, d + g, d) * inv_temp
-            tl.store(out_ptr + offs, d.to(grad_ptr.dtype.element_ty), mask=valid)
+            tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+# Codes of the runtime (not constexpr) switches of _policy_loss_fwd_kernel: one compiled kernel
+# serves every token-separable option; the per-row scalar math costs nothing next to the row.
+POLICY_CODES = {"ppo": 0, "cispo": 1, "sapo": 2, "reinforce": 3}
+KL_CODES = {None: -1, "k1": 0, "abs": 1, "k2": 2, "k3": 3, "low_var_kl": 4}
+_LOG_RATIO_CLAMP = tl.constexpr(20.0)  # fastrl.terms.LOG_RATIO_CLAMP (SPEC 1 / 3)
+_LOW_VAR_KL_CLAMP = tl.constexpr(10.0)  # fastrl.terms.LOW_VAR_KL_CLAMP (SPEC 4)
+
+
+@triton.jit
+def _clamp_grad(x, lo, hi, dx):
+    # clamp(x, lo, hi) and its derivative: dx where lo <= x <= hi (both ends included, as
+    # torch.clamp's backward), else 0.
+    inside = (x >= lo) & (x <= hi)
+    return tl.minimum(tl.maximum(x, lo), hi), tl.where(inside, dx, 0.0)
+
+
+@triton.jit
+def _max_grad(a, b, da, db):
+    # torch.maximum(a, b) and its derivative (a tie splits it half and half, as autograd does)
+    d = tl.where(a > b, da, tl.where(a < b, db, 0.5 * (da + db)))
+    return tl.maximum(a, b), d
+
+
+@triton.jit
+def _token_dloss_dlogp(
+    logp,
+    adv,
+    old,
+    ref,
+    is_weight,
+    policy,
+    ratio_lo,
+    ratio_hi,
+    has_dual,
+    clip_dual,
+    clip_delta,
+    kl_coef,
+    kl_est,
+    kl_bias,
+    sapo_tau_pos,
+    sapo_tau_neg,
+):
+    # dL_t / dlogp_t of SPEC 1-4 for one token of a token-separable loss (fp32 scalars): what
+    # autograd of fastrl.terms.token_terms gives, with its conventions (clamp ends included, a
+    # tie of max / min split in half, nothing through the detached parts). The caller multiplies
+    # by c_t = dloss / dL_t.
+    #   r = exp(clamp(logp - old, -20, 20)), dr = r inside the clamp, else 0
+    lr = logp - old
+    lr_c, dlr = _clamp_grad(lr, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP, 1.0)
+    r = tl.exp(lr_c)
+    dr = r * dlr
+    cr, dcr = _clamp_grad(r, ratio_lo, ratio_hi, dr)  # clip(r, 1 - eps_low, 1 + eps_high)
+    # ppo: max(-A min(r, delta), -A clip(r)), then for A < 0 the dual clip min(., -A c)
+    u, du = _clamp_grad(r, float("-inf"), clip_delta, dr)  # clip_delta = +inf: none
+    pg, d_ppo = _max_grad(-adv * u, -adv * cr, -adv * du, -adv * dcr)
+    pg3 = -adv * clip_dual
+    d_dual = tl.where(pg < pg3, d_ppo, tl.where(pg > pg3, 0.0, 0.5 * d_ppo))
+    d_ppo = tl.where((has_dual != 0) & (adv < 0.0), d_dual, d_ppo)
+    # cispo: -sg(clip(r)) A logp;  reinforce: -A logp
+    d_cispo = -cr * adv
+    # sapo: -sigmoid(tau (r - 1)) (4 / tau) A, tau by the sign of A
+    tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
+    sig = tl.sigmoid(tau * (r - 1.0))
+    d_sapo = -4.0 * adv * sig * (1.0 - sig) * dr
+    d_pg = tl.where(
+        policy == 0, d_ppo, tl.where(policy == 1, d_cispo, tl.where(policy == 2, d_sapo, -adv))
+    )
+    g = is_weight * d_pg
+    if kl_est >= 0:
+        # KL to the reference, x = ref - logp (dx / dlogp = -1)
+        x = ref - logp
+        e = tl.exp(x)
+        kl = -x  # k1
+        d_kl = 1.0 + 0.0 * x
+        if kl_est == 1:  # abs
+            kl = tl.abs(x)
+            d_kl = -tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
+        elif kl_est == 2:  # k2
+            kl = 0.5 * x * x
+            d_kl = -x
+        elif kl_est == 3:  # k3
+            kl = e - x - 1.0
+            d_kl = 1.0 - e
+        elif kl_est == 4:  # low_var_kl: clamp(k3(clamp(x, +-20)), +-10)
+            x_c, dx_c = _clamp_grad(x, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP, -1.0)
+            e_c = tl.exp(x_c)
+            kl, d_kl = _clamp_grad(
+                e_c - x_c - 1.0, -_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP, (e_c - 1.0) * dx_c
+            )
+        if kl_bias != 0:  # kl * r (token-level bias correction)
+            d_kl = d_kl * r + kl * dr
+        g += kl_coef * d_kl
+    return g
+
+
+_SWITCHES = ["has_old", "has_is", "policy", "has_dual", "kl_est", "kl_bias"]
+
+
+@triton.jit(do_not_specialize=_SWITCHES)  # one binary for every option (a 1 is not a constant)
+def _policy_loss_fwd_kernel(
+    logits_ptr,  # (B, T, V) fp32 / bf16 / fp16, stride over V is 1
+    tokens_ptr,  # (B * T,) int32 / int64, contiguous
+    logp_ptr,  # (B * T,) fp32 out: z'_y - lse
+    entropy_ptr,  # (B * T,) fp32 out: H
+    lse_ptr,  # (B * T,) fp32 out: logsumexp(z')
+    grad_ptr,  # (B, T, V) out, dtype of the logits; may be the logits' own storage
+    weight_ptr,  # (B * T,) fp32: c_t = dloss / dL_t (0 where the mask is 0)
+    adv_ptr,  # (B * T,) fp32: A_t
+    old_ptr,  # (B * T,) fp32: old_logp (read only when has_old)
+    ref_ptr,  # (B * T,) fp32: ref_logp (read only when kl_est >= 0)
+    is_weight_ptr,  # (B * T,) fp32: rollout IS weight w_t, detached (read only when has_is)
+    N,  # rows, B * T
+    T,
+    V,
+    stride_logits_b,
+    stride_logits_t,
+    stride_grad_b,
+    stride_grad_t,
+    inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
+    inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    has_old,  # 0: pi_old = pi (on-policy: r = 1, the gradient of logp)
+    has_is,  # 0: w_t = 1
+    policy,  # POLICY_CODES
+    ratio_lo,  # 1 - clip_low
+    ratio_hi,  # 1 + clip_high
+    has_dual,  # 0: no dual clip
+    clip_dual,
+    clip_delta,  # +inf: none
+    kl_coef,
+    kl_est,  # KL_CODES; -1: no KL term
+    kl_bias,  # 1: kl * r (token-level bias correction)
+    entropy_coef,
+    sapo_tau_pos,
+    sapo_tau_neg,
+    ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
+    HAS_GRAD_ENTROPY: tl.constexpr,  # entropy_coef != 0: h = -c_t entropy_coef
+    BLOCK_V: tl.constexpr,
+):
+    # A token-separable policy loss with each row in ONE program: the row's statistics
+    # (_token_stats_slice), then g = c_t dL_t/dlogp_t (_token_dloss_dlogp) and h = -c_t c_H,
+    # then SPEC 6's gradient (_row_grad_store). The second sweep over the row follows the first
+    # in the same program, so it can be served from L2 instead of HBM: 1 read + 1 write of the
+    # logits in HBM where the two-kernel path needs 2 reads + 1 write. Persistent grid (G,):
+    # program p takes rows p, p + G, ..., so that G rows are in flight at a time (the launcher
+    # sizes G to the L2: `_rows_in_flight`).
+    for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
+        _policy_loss_row(
+            logits_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, grad_ptr, weight_ptr,
+            adv_ptr, old_ptr, ref_ptr, is_weight_ptr, row, T, V, stride_logits_b,
+            stride_logits_t, stride_grad_b, stride_grad_t, inv_temp, inv_temp_ptr, has_old,
+            has_is, policy, ratio_lo, ratio_hi, has_dual, clip_dual, clip_delta, kl_coef, kl_est,
+            kl_bias, entropy_coef, sapo_tau_pos, sapo_tau_neg, ROW_TEMP, HAS_GRAD_ENTROPY,
+            BLOCK_V,
+        )  # fmt: skip
+
+
+@triton.jit
+def _policy_loss_row(
+    logits_ptr,
+    tokens_ptr,
+    logp_ptr,
+    entropy_ptr,
+    lse_ptr,
+    grad_ptr,
+    weight_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    is_weight_ptr,
+    row,
+    T,
+    V,
+    stride_logits_b,
+    stride_logits_t,
+    stride_grad_b,
+    stride_grad_t,
+    inv_temp,
+    inv_temp_ptr,
+    has_old,
+    has_is,
+    policy,
+    ratio_lo,
+    ratio_hi,
+    has_dual,
+    clip_dual,
+    clip_delta,
+    kl_coef,
+    kl_est,
+    kl_bias,
+    entropy_coef,
+    sapo_tau_pos,
+    sapo_tau_neg,
+    ROW_TEMP: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # One row of _policy_loss_fwd_kernel: statistics, g and h, gradient.
+    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+    m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
+    logp, lse, entropy = _token_stats_store(
+        row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
+    )
+    c = tl.load(weight_ptr + row)
+    adv = tl.load(adv_ptr + row)
+    old = logp
+    if has_old != 0:
+        old = tl.load(old_ptr + row)
+    ref = logp
+    if kl_est >= 0:
+        ref = tl.load(ref_ptr + row)
+    is_weight = 1.0 + 0.0 * c
+    if has_is != 0:
+        is_weight = tl.load(is_weight_ptr + row)
+    g = c * _token_dloss_dlogp(
+        logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
+        clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
+    )  # fmt: skip
+    h = -c * entropy_coef
+    y = tl.load(tokens_ptr + row).to(tl.int64)
+    out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
+    _row_grad_store(row_ptr, out_ptr, V, y, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V)
 
 
 # --------------------------------------------------------------------------- launch configurations
@@ -370,6 +622,77 @@ def row_grad_configs(
     return (config(_token_stats_bwd_kernel, (N,), num_warps, args, **flags, BLOCK_V=block),)
 
 
+_L2_BYTES = 50 * 2**20  # assumed off CUDA (the interpreter, AOT compiles): H100 SXM / H200
+_L2_SHARE = 0.8  # the rows in flight of the one-pass kernel aim at this share of the L2
+
+
+def _l2_bytes(device: torch.device) -> int:
+    """L2 cache bytes of `device` (torch caches the properties: no sync); _L2_BYTES off CUDA."""
+    if device.type != "cuda":
+        return _L2_BYTES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def _rows_in_flight(N: int, row_bytes: int, sms: int, l2_bytes: int) -> int:
+    """Programs P of the one-pass kernel's persistent grid, each looping over rows one at a
+    time: P = min(SMs, _L2_SHARE x L2 / row bytes, N) (docs/DESIGN.md, the road to the floor),
+    so that the rows in flight fit in L2 and a row's second sweep finds it there (bf16 on an
+    H100: 132 programs at V = 151936, 80 at V = 262144). FASTRL_ROWS_IN_FLIGHT=P forces P (0:
+    one program per row), for tuning on a GPU; not tuned on one yet (none was available)."""
+    env = os.environ.get("FASTRL_ROWS_IN_FLIGHT")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"FASTRL_ROWS_IN_FLIGHT must be an int >= 0, got {env!r}")
+        rows = int(env) or N
+    else:
+        rows = min(sms, int(_L2_SHARE * l2_bytes) // max(row_bytes, 1))
+    return max(1, min(N, rows))
+
+
+def policy_rows_configs(
+    N: int,
+    V: int,
+    dtype: torch.dtype,
+    has_grad_entropy: bool,
+    device_sms: int = _SPLIT_SM_COUNT,
+    l2_bytes: int = _L2_BYTES,
+    *,
+    tokens_dtype: torch.dtype = torch.int64,
+    row_temp: bool = False,
+) -> tuple[LaunchConfig, ...]:
+    """The launch of `policy_rows_` (the one-pass kernel of a token-separable loss) for N rows
+    of V logits of `dtype` on a device with `device_sms` SMs and `l2_bytes` of L2, with or
+    without an entropy bonus, a scalar or a per-row temperature: a persistent grid of
+    `_rows_in_flight` programs. Example arguments: logits and out (1, N, V) contiguous, a ppo
+    loss with every per-token input."""
+    grid = _rows_in_flight(N, V * dtype.itemsize, device_sms, l2_bytes)
+    return _policy_rows_configs(
+        N, V, dtype, bool(has_grad_entropy), tokens_dtype, bool(row_temp), grid
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_rows_configs(N, V, dtype, has_grad_entropy, tokens_dtype, row_temp, grid):
+    block, num_warps = _launch_config(V, dtype.itemsize)
+    if block == 1024:  # at 4 warps ptxas (triton 3.6, sm_90a, bf16 / fp16) spills 4 B; 8 do not
+        num_warps = 8
+    rows = {k: Ptr(_F32) for k in ("logp_ptr", "entropy_ptr", "lse_ptr")}
+    inputs = {
+        k: Ptr(_F32) for k in ("weight_ptr", "adv_ptr", "old_ptr", "ref_ptr", "is_weight_ptr")
+    }
+    args = {
+        "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), **rows, "grad_ptr": Ptr(dtype),
+        **inputs, "N": N, "T": N, "V": V, "stride_logits_b": N * V, "stride_logits_t": V,
+        "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
+        "has_old": 1, "has_is": 1, "policy": 0, "ratio_lo": 0.8, "ratio_hi": 1.2, "has_dual": 1,
+        "clip_dual": 3.0, "clip_delta": float("inf"), "kl_coef": 0.04, "kl_est": 3, "kl_bias": 0,
+        "entropy_coef": 0.01, "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
+    }  # fmt: skip
+    flags = {"ROW_TEMP": row_temp, "HAS_GRAD_ENTROPY": has_grad_entropy}
+    return (config(_policy_loss_fwd_kernel, (grid,), num_warps, args, **flags, BLOCK_V=block),)
+
+
 # --------------------------------------------------------------------------- launchers
 def inv_temperature(temperature, N: int, device: torch.device):
     """(inv_temp, inv_temp_rows) of the kernels' temperature arguments: a float tau gives the fp32
@@ -461,12 +784,68 @@ def row_grad_(
     return out
 
 
-def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None):
+def one_pass_enabled() -> bool:
+    """Whether a token-separable loss takes the one-pass kernel (`policy_rows_`); the
+    environment variable FASTRL_ONE_PASS=0 keeps the two-kernel path (stats, O(N) autograd,
+    gradient), for comparisons."""
+    value = os.environ.get("FASTRL_ONE_PASS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"FASTRL_ONE_PASS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def policy_rows_(logits, tokens, temperature, terms, out):
+    """(logp, entropy) fp32 (B, T) of logits (B, T, V) and dL/dz written into `out` (B, T, V,
+    may be `logits`) for the token-separable loss `terms` (a fastrl.terms.TokenGradTerms: per-token
+    fp32 (B * T,) tensors and the loss's constants), in one program per row that reads
+    the row for its statistics, forms g_t = c_t dL_t/dlogp_t and h_t = -c_t c_H, and sweeps the
+    row again for the gradient (_policy_loss_fwd_kernel). temperature: a float, or a (B, T)
+    tensor of per-row temperatures."""
+    B, T, V = logits.shape
+    N = B * T
+    logp, entropy, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lhs")
+    if N == 0:
+        return logp.view(B, T), entropy.view(B, T)
+    assert out.shape == logits.shape and (V == 1 or out.stride(-1) == 1)
+    tokens = tokens.contiguous()
+    inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
+    (cfg,) = policy_rows_configs(
+        N, V, logits.dtype, terms.entropy_coef != 0, _sm_count(logits.device),
+        _l2_bytes(logits.device), tokens_dtype=tokens.dtype, row_temp=inv_rows is not None,
+    )  # fmt: skip
+    with_kl = terms.kl_coef != 0 and terms.ref_logp is not None
+    per_token = (terms.old_logp, terms.ref_logp if with_kl else None, terms.is_weight)
+    old, ref, is_weight = (lse if t is None else t for t in per_token)  # lse: never read
+    cfg(
+        logits, tokens, logp, entropy, lse, out, terms.weight, terms.advantages, old, ref,
+        is_weight, N, T, V, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+        inv_temp, lse if inv_rows is None else inv_rows, int(terms.old_logp is not None),
+        int(terms.is_weight is not None), POLICY_CODES[terms.policy], 1.0 - terms.clip_low,
+        1.0 + terms.clip_high, int(terms.clip_dual is not None),
+        0.0 if terms.clip_dual is None else terms.clip_dual,
+        float("inf") if terms.clip_delta is None else terms.clip_delta, terms.kl_coef,
+        KL_CODES[terms.kl_estimator if with_kl else None], int(terms.kl_bias_correction),
+        terms.entropy_coef, terms.sapo_tau_pos, terms.sapo_tau_neg,
+    )  # fmt: skip
+    return logp.view(B, T), entropy.view(B, T)
+
+
+def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, row_terms=None):
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
     `logits`) from (g, h) = grad_fn(logp, H) (temperature: a float, or a (B, T) tensor of per-row
-    temperatures): the stats kernel, then g and h (O(N) torch), then the gradient kernel (two
-    reads of the logits). `rows_grads` (the torch backend's one-pass hook) is not used here: the
-    interface is the same as fastrl.chunked's."""
+    temperatures). `row_terms`: None, or (for a token-separable loss) a function returning its
+    fastrl.terms.TokenGradTerms (or None where it has none): then one program per row does it
+    all (`policy_rows_`), unless the rows are few enough for split-V (decode-like shapes) or
+    FASTRL_ONE_PASS=0. Otherwise the stats
+    kernel, g and h (O(N) torch), then the gradient kernel (two reads of the logits).
+    `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
+    as fastrl.chunked's."""
+    B, T, V = logits.shape
+    if row_terms is not None and one_pass_enabled():
+        block, _ = _launch_config(V, logits.dtype.itemsize)
+        terms = row_terms() if _split_config(B * T, V, block, logits.device)[0] == 1 else None
+        if terms is not None:
+            return policy_rows_(logits, tokens, temperature, terms, out)
     logp, entropy, lse = row_stats(logits, tokens, temperature)
     g, h = grad_fn(logp, entropy)
     row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)

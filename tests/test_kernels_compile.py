@@ -111,9 +111,13 @@ def test_every_launcher_choice_is_compiled(report):
     logits = {"*fp32", "*bf16", "*fp16"}
     for kernel in ("_token_stats_fwd_kernel", "_token_stats_split_fwd_kernel",
                    "_token_stats_merge_fwd_kernel", "_token_stats_bwd_kernel",
-                   "_sample_fwd_kernel", "_sample_split_fwd_kernel"):  # fmt: skip
+                   "_policy_loss_fwd_kernel", "_sample_fwd_kernel",
+                   "_sample_split_fwd_kernel"):  # fmt: skip
         assert dtypes(kernel) == logits, kernel
-    assert values("_token_stats_bwd_kernel", "HAS_GRAD_ENTROPY") == {False, True}
+    for kernel in ("_token_stats_bwd_kernel", "_policy_loss_fwd_kernel"):
+        assert values(kernel, "HAS_GRAD_ENTROPY") == {False, True}
+        assert values(kernel, "ROW_TEMP") == {False, True}
+    assert values("_policy_loss_fwd_kernel", "BLOCK_V") == {1024, 4096, 8192}
     assert values("_sample_fwd_kernel", "GREEDY") == values("_sample_split_fwd_kernel", "GREEDY")
     assert values("_sample_fwd_kernel", "GREEDY") == {False, True}
     assert values("_token_stats_fwd_kernel", "BLOCK_V") == {1024, 4096, 8192}
