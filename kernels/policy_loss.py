@@ -444,82 +444,33 @@ def _policy_loss_fwd_kernel(
     # program p takes rows p, p + G, ..., so that G rows are in flight at a time (the launcher
     # sizes G to the L2: `_rows_in_flight`).
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
-        _policy_loss_row(
-            logits_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, grad_ptr, weight_ptr,
-            adv_ptr, old_ptr, ref_ptr, is_weight_ptr, row, T, V, stride_logits_b,
-            stride_logits_t, stride_grad_b, stride_grad_t, inv_temp, inv_temp_ptr, has_old,
-            has_is, policy, ratio_lo, ratio_hi, has_dual, clip_dual, clip_delta, kl_coef, kl_est,
-            kl_bias, entropy_coef, sapo_tau_pos, sapo_tau_neg, ROW_TEMP, HAS_GRAD_ENTROPY,
-            BLOCK_V,
+        row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+        m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
+        logp, lse, entropy = _token_stats_store(
+            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
+        )
+        c = tl.load(weight_ptr + row)
+        adv = tl.load(adv_ptr + row)
+        old = logp
+        if has_old != 0:
+            old = tl.load(old_ptr + row)
+        ref = logp
+        if kl_est >= 0:
+            ref = tl.load(ref_ptr + row)
+        is_weight = 1.0 + 0.0 * c
+        if has_is != 0:
+            is_weight = tl.load(is_weight_ptr + row)
+        g = c * _token_dloss_dlogp(
+            logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
+            clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
         )  # fmt: skip
-
-
-@triton.jit
-def _policy_loss_row(
-    logits_ptr,
-    tokens_ptr,
-    logp_ptr,
-    entropy_ptr,
-    lse_ptr,
-    grad_ptr,
-    weight_ptr,
-    adv_ptr,
-    old_ptr,
-    ref_ptr,
-    is_weight_ptr,
-    row,
-    T,
-    V,
-    stride_logits_b,
-    stride_logits_t,
-    stride_grad_b,
-    stride_grad_t,
-    inv_temp,
-    inv_temp_ptr,
-    has_old,
-    has_is,
-    policy,
-    ratio_lo,
-    ratio_hi,
-    has_dual,
-    clip_dual,
-    clip_delta,
-    kl_coef,
-    kl_est,
-    kl_bias,
-    entropy_coef,
-    sapo_tau_pos,
-    sapo_tau_neg,
-    ROW_TEMP: tl.constexpr,
-    HAS_GRAD_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    # One row of _policy_loss_fwd_kernel: statistics, g and h, gradient.
-    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
-    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-    m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
-    logp, lse, entropy = _token_stats_store(
-        row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
-    )
-    c = tl.load(weight_ptr + row)
-    adv = tl.load(adv_ptr + row)
-    old = logp
-    if has_old != 0:
-        old = tl.load(old_ptr + row)
-    ref = logp
-    if kl_est >= 0:
-        ref = tl.load(ref_ptr + row)
-    is_weight = 1.0 + 0.0 * c
-    if has_is != 0:
-        is_weight = tl.load(is_weight_ptr + row)
-    g = c * _token_dloss_dlogp(
-        logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
-        clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
-    )  # fmt: skip
-    h = -c * entropy_coef
-    y = tl.load(tokens_ptr + row).to(tl.int64)
-    out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
-    _row_grad_store(row_ptr, out_ptr, V, y, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V)
+        h = -c * entropy_coef
+        y = tl.load(tokens_ptr + row).to(tl.int64)
+        out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
+        _row_grad_store(
+            row_ptr, out_ptr, V, y, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V
+        )
 
 
 # --------------------------------------------------------------------------- launch configurations
