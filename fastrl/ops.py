@@ -253,8 +253,9 @@ def token_logprobs(
 # The fused losses therefore compute dL/dz in the forward and keep it; their backward only
 # multiplies it by the upstream gradient (`scale_grad_`, no pass at all when that is exactly 1).
 # The torch path does it chunk by chunk with one exp per logit (`fastrl.chunked`); the Triton
-# path runs its stats kernel, the same O(N) autograd and its gradient kernel (two reads of the
-# logits).
+# path runs one program per row for a token-separable loss (g and h written out in the kernel,
+# from `terms.TokenGradTerms`), else its stats kernel, the same O(N) autograd and its gradient
+# kernel (two reads of the logits).
 
 
 def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None):
@@ -320,7 +321,8 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     or its rows of a chunk).
     The backend's `stats_and_grad_` does the passes: one exp per logit on the torch path, in one
     pass over the logits when the loss is token-separable (then it finishes rows chunk by chunk
-    with `rows_grads`); stats + gradient kernels on Triton."""
+    with `rows_grads`); on Triton, the one-pass kernel from `row_terms` (token-separable), else
+    the stats and gradient kernels."""
     from .terms import aggregation_weights, is_token_separable, token_grad_terms
 
     def grad_fn(lp, ent):  # (g, h) of every row
