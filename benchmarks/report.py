@@ -256,23 +256,33 @@ def _vocab_parallel(data: dict) -> list[str]:
 
 
 def _training(data: dict) -> list[str]:
+    """The train table: each algorithm's run as the README writes the command (seed 0), and,
+    when the file holds further seeds (bench_train.py --seeds), their final accuracies with
+    seed 0's: mean [min, max]."""
     m = data["machine"]
+    seeds = data.get("seeds", [0])
     intro = (
         f"**`{data['command']}`** on {m['cpu']} ({m['cores']} cores), torch {data['torch']}, "
         f"commit {data['git_commit'][:7]}"
     )
     columns = ["algo", "wall (warm-up + RL)", "RL steps/s", "eval accuracy, step 0 -> last"]
+    if len(seeds) > 1:
+        columns += [f"last eval accuracy, seeds {', '.join(map(str, seeds))}: mean [min, max]"]
     columns += ["peak RSS MB"]
-    cells = [
-        [
+    cells = []
+    for algo, r in data["runs"].items():
+        row = [
             algo,
             f"{r['wall_s_total']:.0f} s",
             f"{r['rl_steps_per_s']:.1f}",
             f"{r['eval_accuracy_step0']:.3f} -> {r['eval_accuracy_final']:.3f}",
-            r["peak_rss_mb"],
         ]
-        for algo, r in data["runs"].items()
-    ]
+        if len(seeds) > 1:
+            finals = [r["eval_accuracy_final"]]
+            finals += [o["eval_accuracy_final"] for o in r["by_seed"].values()]
+            mean = sum(finals) / len(finals)
+            row += [f"{mean:.3f} [{min(finals):.3f}, {max(finals):.3f}]"]
+        cells.append([*row, r["peak_rss_mb"]])
     return _table(intro, columns, cells)
 
 

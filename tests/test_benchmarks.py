@@ -214,3 +214,23 @@ def test_learning_vs_trl_quick(tmp_path):
         in (tmp_path / "learning_vs_trl.md").read_text()
     )
     assert (tmp_path / "learning_vs_trl.png").stat().st_size > 0
+
+
+def test_train_table_shows_the_spread_over_seeds():
+    """bench_train.py --seeds: seed 0's run as written, and every seed's last accuracy as mean
+    [min, max]; a file without seeds (written before --seeds) keeps the old columns."""
+    report = _report()
+    run = {"wall_s_total": 40.0, "rl_steps_per_s": 8.0, "eval_accuracy_step0": 0.265,
+           "eval_accuracy_final": 0.79, "peak_rss_mb": 560}  # fmt: skip
+    data = {"machine": {"cpu": "cpu", "cores": 2}, "torch": "2", "git_commit": "abcdef0" * 6,
+            "command": "fastrl train --algo ALGO", "runs": {"grpo": dict(run)}}  # fmt: skip
+    old = report._training(data)
+    assert "| grpo | 40 s | 8.0 | 0.265 -> 0.790 | 560 |" in old and "seeds" not in old[2]
+    data["seeds"] = [0, 1, 2]
+    data["runs"]["grpo"]["by_seed"] = {
+        "1": {"eval_accuracy_step0": 0.04, "eval_accuracy_final": 0.965},
+        "2": {"eval_accuracy_step0": 0.12, "eval_accuracy_final": 0.945},
+    }
+    new = report._training(data)
+    assert "last eval accuracy, seeds 0, 1, 2: mean [min, max]" in new[2]
+    assert "| grpo | 40 s | 8.0 | 0.265 -> 0.790 | 0.900 [0.790, 0.965] | 560 |" in new
