@@ -140,6 +140,41 @@ def test_two_process_gloo_equals_one_process(algo, tmp_path):
     assert (p1 - p2).abs().max() < 2.5e-3
 
 
+@pytest.mark.parametrize("algo,fused", [("grpo", False), ("ppo", False), ("dapo", True)])
+def test_the_rank_average_is_folded_into_the_normalisers(algo, fused, monkeypatch):
+    """grad_scale (the world size: DDP / FSDP2 average gradients) divides num_tokens / num_seqs
+    instead of multiplying the loss, so every fused backward starts from exactly 1 (no second
+    pass over the logits, or over dW on the LM-head path); the gradient is grad_scale times the
+    single-process one and the logged loss is unchanged."""
+    import dataclasses
+
+    import fastrl.ops
+
+    scales = []
+    scale_grad = fastrl.ops.scale_grad_
+
+    def spy(grad, scale):
+        scales.append(float(scale))
+        scale_grad(grad, scale)
+
+    monkeypatch.setattr(fastrl.ops, "scale_grad_", spy)
+    outs = {}
+    for grad_scale in (1, 2):
+        t = Trainer(tiny(algo=algo, grad_accum=2, minibatches=1, device="cpu", num_threads=1,
+                         kl_coef=0.1 if algo != "dapo" else None), log=lambda *a: None)  # fmt: skip
+        t.setup()
+        t.run = dataclasses.replace(t.run, grad_scale=grad_scale, fused_lm_head=fused)
+        outs[grad_scale] = t.update(_fixed_batch(t))
+        t.close()
+    assert scales and set(scales) == {1.0}, scales  # 2 micro-batches x 2 runs
+    one, two = outs[1], outs[2]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert two["grad_norm"] == pytest.approx(2 * one["grad_norm"], rel=1e-5)
+    if algo == "ppo":
+        assert two["value_loss"] == pytest.approx(one["value_loss"], rel=1e-6)
+        assert two["critic_grad_norm"] == pytest.approx(2 * one["critic_grad_norm"], rel=1e-5)
+
+
 # ----------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("algo,jsonl", [("grpo", False), ("ppo", False), ("dapo", False),
                                         ("grpo", True)])  # fmt: skip

@@ -61,7 +61,9 @@ class Run:
     fused_lm_head: bool
     """--fsdp: LM-head log-probs through the fused linear path, never the (n, T, V) logits."""
     grad_scale: int
-    """What the loss is multiplied by before backward (DDP / FSDP2 average over the ranks)."""
+    """The world size: DDP / FSDP2 average gradients over the ranks, so the loss is this times
+    the rank's share; folded into the loss normalisers (num_tokens / grad_scale), so backward
+    starts from 1."""
 
     def amp(self):
         """A fresh autocast context: bf16 under --dtype bf16 (auto: on CUDA), else none."""

@@ -3,7 +3,12 @@
 
 The loss normaliser is the token / sequence count of the whole optimizer step summed over
 micro-batches and ranks (`num_tokens` / `num_seqs`), so accumulation and data parallelism give
-the gradient of the full batch; DDP averages gradients, hence the loss times the world size.
+the gradient of the full batch. DDP and FSDP2 average gradients over the ranks, so the loss must
+be `grad_scale` (the world size) times the sum: that factor is folded into the normalisers
+(num_tokens / grad_scale, num_seqs / grad_scale), not multiplied onto the loss, so that
+`backward()` starts from a gradient of exactly 1 and the fused loss's backward hands on the
+gradient it computed in the forward without another pass over the (n, T, V) logits (a factor
+!= 1 there reads and writes every logit once more: DESIGN's "road to the floor", step 3).
 Rows the batch marks untrained (`Batch.trained`: zero advantage, no KL / entropy term) count in
 the normalisers but are not forwarded: their loss and gradient are exactly 0.
 Metric sums and gradient norms stay on the device and are read once per update; a non-finite
@@ -110,8 +115,11 @@ def _micro_step(
     num_seqs: Tensor,
     sync: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Forward + backward of one micro-batch (rows idx): its metric sums and ratio max."""
+    """Forward + backward of one micro-batch (rows idx): its metric sums and ratio max.
+    num_tokens / num_seqs: the optimizer step's global counts."""
     cfg, r = run.cfg, batch.rollout
+    # the rank-average of DDP / FSDP2 folded into the normalisers (see the module docstring)
+    num_tokens, num_seqs = num_tokens / run.grad_scale, num_seqs / run.grad_scale
     if len(idx) == 0:  # an empty micro-batch still joins DDP's all-reduce: a masked row
         idx = torch.zeros(1, dtype=torch.long, device=run.device)
         mask = torch.zeros_like(r.completion_mask[idx])
@@ -150,23 +158,23 @@ def _micro_step(
                     mask,
                     clip=cfg.value_clip,
                     agg="token-mean",
-                    num_tokens=num_tokens,  # the global count, as for the policy loss
+                    num_tokens=num_tokens,  # the global count / grad_scale, as for the policy
                 )
                 loss = loss + cfg.vf_coef * vloss
-        (loss * run.grad_scale).backward()
+        loss.backward()  # d loss / d loss = 1: no extra pass over the logits
     n_tok = mask.sum().double()
     m = out.metrics
     zero = torch.zeros((), dtype=torch.float64, device=run.device)
     kl = m["kl"].double() if batch.ref_logp is not None and m.get("kl") is not None else zero
     sums = torch.stack(
         [
-            out.loss.detach().double(),
+            out.loss.detach().double() / run.grad_scale,  # the summed-over-ranks loss
             n_tok,
             m["entropy"].double() * n_tok,
             kl * n_tok,
             m["clipfrac"].double() * n_tok,
             m["approx_kl"].double() * n_tok,
-            vloss.detach().double(),
+            vloss.detach().double() / run.grad_scale,
             vclip.double() * n_tok,
             m["clipfrac_low"].double() * n_tok,
             m["clipfrac_high"].double() * n_tok,
