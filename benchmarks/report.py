@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # README blocks: <!-- NAME:start --> ... <!-- NAME:end -->
-BLOCKS = ("train", "learning", "vs_trl", "bench", "scale")
+BLOCKS = ("train", "learning", "vs_trl", "bench", "policy_summary", "scale")
 
 
 def _rel(path: Path) -> str:
@@ -99,6 +99,64 @@ def _policy_loss(data: dict) -> list[str]:
         for r in rows
     ]
     return _table(intro, columns, cells, meta.get("notes"))
+
+
+def _span(values: list[float], fmt: str = ".1f") -> str:
+    """'a-bx' (min-max) of ratios in format `fmt`, or 'ax' when they agree at that precision."""
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+
+
+def _policy_summary(name: str, data: dict) -> list[str]:
+    """One bullet from a bench_policy_loss results file: over its cases (shape x dtype), the
+    range of each fastrl row's fwd+bwd speed-up over `trl-eager` and over the fastest baseline of
+    the case (`trl-eager` or any other row that is neither fastrl's nor the oracle), and of its
+    peak memory against `trl-eager`'s. Written from the file, so the prose cannot drift from the
+    table."""
+    meta, rows = data["meta"], data["rows"]
+    busy = meta.get("busy_processes") or 0
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault((r["N"], r["V"], r["dtype"]), []).append(r)
+    per_method: dict[str, dict[str, list[float]]] = {}
+    fastest: set[str] = set()
+    behind: list[str] = []  # (method, case) where a baseline was faster
+    for (N, V, dtype), case_rows in cases.items():
+        baselines = [r for r in case_rows if r["role"] in ("baseline", "other") and r["total_ms"]]
+        if not baselines:
+            continue
+        best = min(baselines, key=lambda r: r["total_ms"])
+        fastest.add(best["method"])
+        for r in case_rows:
+            if r["role"] != "fastrl" or not r["total_ms"] or r.get("speedup_vs_trl_eager") is None:
+                continue
+            m = per_method.setdefault(r["method"], {"trl": [], "best": [], "mem": []})
+            m["trl"].append(r["speedup_vs_trl_eager"])
+            m["best"].append(best["total_ms"] / r["total_ms"])
+            if best["total_ms"] < r["total_ms"]:
+                behind.append(f"`{r['method']}` at N={N}, V={V} {dtype} (`{best['method']}`)")
+            if r.get("memory_vs_trl_eager") is not None:
+                m["mem"].append(r["memory_vs_trl_eager"])
+    if not per_method:
+        return []
+    load = f"{busy} other process(es) keeping a core busy" if busy else "idle"
+    parts = []
+    for method, m in per_method.items():
+        text = (
+            f"`{method}` {_span(m['trl'])} over `trl-eager` and {_span(m['best'])} over the "
+            "fastest baseline"
+        )
+        if m["mem"]:
+            text += f", at {_span(m['mem'], '.2g')} of `trl-eager`'s peak memory"
+        parts.append(text)
+    names = ", ".join(f"`{n}`" for n in sorted(fastest))
+    slower = f" Slower than it: {', '.join(behind)}." if behind else ""
+    return [
+        f"- `{name}.json` ({meta.get('device_name', meta.get('device'))}, {load}, commit "
+        f"{str(meta.get('git_commit', '?'))[:7]}; {len(cases)} cases: shape x dtype), fwd+bwd "
+        f"speed-up, the range over the cases: {'; '.join(parts)} (the fastest baseline of each "
+        f"case was {names}).{slower}"
+    ]
 
 
 def _fused_linear(data: dict) -> list[str]:
@@ -357,7 +415,8 @@ def _with_staleness(name: str, data: dict, lines: list[str]) -> list[str]:
 def tables(block: str, results: Path | None = None) -> str:
     """The Markdown of one README block: "train" (train_summary.json), "learning"
     (learning.json, the table bench_learning.py wrote beside it), "vs_trl" (the same for each
-    learning_vs_trl*.json of bench_learning.py --vs-trl), "scale" (bench_packed and
+    learning_vs_trl*.json of bench_learning.py --vs-trl), "policy_summary" (a bullet of ranges
+    per bench_policy_loss file: the prose over the tables), "scale" (bench_packed and
     bench_vocab_parallel) or "bench" (the policy-loss, fused-linear, GAE and sampler files), from
     the results files in `results` (default benchmarks/results/)."""
     results = Path(results or RESULTS)
@@ -383,6 +442,13 @@ def tables(block: str, results: Path | None = None) -> str:
                 data = json.loads(path.read_text())
                 out += _with_staleness(path.stem, data, render(data))
                 out += ["", f"(from `{_rel(path)}`)", ""]
+        return "\n".join(out).rstrip() + "\n"
+    if block == "policy_summary":
+        for path in sorted(results.glob("bench_policy_loss_*.json")):
+            data = json.loads(path.read_text())
+            if "cases" in data.get("meta", {}):  # the multi-shape benchmark's files
+                out += _with_staleness(path.stem, data, _policy_summary(path.stem, data))
+                out += [""]
         return "\n".join(out).rstrip() + "\n"
     summary = results / "train_summary.json"
     if block == "train":

@@ -117,6 +117,7 @@ def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
         "<!-- learning:start -->\nold learning\n<!-- learning:end -->\nmore\n"
         "<!-- vs_trl:start -->\nold vs_trl\n<!-- vs_trl:end -->\n"
         "<!-- bench:start -->\nold bench\n<!-- bench:end -->\n"
+        "<!-- policy_summary:start -->\nold summary\n<!-- policy_summary:end -->\n"
         "<!-- scale:start -->\nold scale\n<!-- scale:end -->\nend\n"
     )
     report.main(["--readme", "--results", str(quick_results), "--readme-path", str(readme)])
@@ -126,6 +127,7 @@ def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
     assert "old bench" not in text and "x GEMM floor" in text
     assert "old train" not in text and "old learning" not in text and "old scale" not in text
     assert "old vs_trl" not in text
+    assert "old summary" not in text and "- `bench_policy_loss_cpu.json` (" in text
     # a README without one of the blocks is an error naming it, not a silent skip
     readme.write_text("intro\n<!-- bench:start -->\nold\n<!-- bench:end -->\n")
     with pytest.raises(SystemExit, match="train:start"):
@@ -234,3 +236,31 @@ def test_train_table_shows_the_spread_over_seeds():
     new = report._training(data)
     assert "last eval accuracy, seeds 0, 1, 2: mean [min, max]" in new[2]
     assert "| grpo | 40 s | 8.0 | 0.265 -> 0.790 | 0.900 [0.790, 0.965] | 560 |" in new
+
+
+def test_policy_summary_ranges_come_from_the_rows():
+    """The prose over the policy-loss tables: ranges over the cases of each fastrl row's
+    speed-up over trl-eager and over the case's fastest baseline (oracle excluded), its memory
+    ratio, and every case where a baseline was faster, named."""
+    report = _report()
+
+    def row(method, role, N, dtype, ms, mem):
+        return {"method": method, "role": role, "N": N, "V": 100, "dtype": dtype, "total_ms": ms,
+                "speedup_vs_trl_eager": None, "memory_vs_trl_eager": mem}  # fmt: skip
+
+    rows = []
+    cases = [(8, "fp32", 40.0, 20.0, 10.0), (16, "bf16", 30.0, 12.0, 15.0)]
+    for N, dtype, trl, verl, ours in cases:
+        rows += [row("trl-eager", "baseline", N, dtype, trl, 1.0),
+                 row("verl-eager", "other", N, dtype, verl, 1.0),
+                 row("reference (oracle)", "oracle", N, dtype, 1.0, 3.0),  # never the fastest
+                 row("fastrl", "fastrl", N, dtype, ours, 0.5 if N == 8 else 0.75)]  # fmt: skip
+    for r in rows:
+        trl = next(x for x in rows if x["method"] == "trl-eager" and x["N"] == r["N"])
+        r["speedup_vs_trl_eager"] = trl["total_ms"] / r["total_ms"]
+    meta = {"device_name": "cpu", "busy_processes": 1, "git_commit": "abcdef0123", "cases": []}
+    (line,) = report._policy_summary("bench_policy_loss_cpu_busy1", {"meta": meta, "rows": rows})
+    assert "1 other process(es) keeping a core busy, commit abcdef0; 2 cases" in line
+    assert "`fastrl` 2.0-4.0x over `trl-eager` and 0.8-2.0x over the fastest baseline" in line
+    assert "at 0.5-0.75x of `trl-eager`'s peak memory" in line
+    assert "Slower than it: `fastrl` at N=16, V=100 bf16 (`verl-eager`)." in line
