@@ -18,6 +18,10 @@ and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
                   Triton kernel compiled for sm_80 / sm_90a at every launch configuration
   policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 32000 and 151936,
                   bf16
+  rows-in-flight  bench_rows_in_flight.py: the one-pass kernel's grid swept
+                  (FASTRL_ROWS_IN_FLIGHT = auto, 0, 66, 132, 264) and the two-kernel path, CUDA
+                  N = 16384 at V = 151936 and N = 8192 at V = 262144, bf16 (--quick: the CPU
+                  smoke run, which only checks the plumbing)
   fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16
   packed          bench_packed.py: packed (cu_seqlens) vs padded batches at ~50 % padding, its
                   defaults (CUDA S = 64, T = 2048, V = 151936, bf16; rows that do not fit are
@@ -83,6 +87,7 @@ STAGES = (
     "pytest-gpu",
     "compile-check",
     "policy-loss",
+    "rows-in-flight",
     "fused-linear",
     "packed",
     "vocab-parallel",
@@ -96,6 +101,7 @@ TIMEOUTS = {
     "pytest-gpu": (420, 300),
     "compile-check": (600, 600),
     "policy-loss": (480, 240),
+    "rows-in-flight": (360, 240),
     "fused-linear": (360, 240),
     "packed": (600, 180),
     "vocab-parallel": (600, 180),
@@ -197,6 +203,15 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             fp32,
             ["--shapes", "128x128x32000,128x128x151936", "--dtype", "bf16", *do_bench],
             no_liger + no_verl,
+        )
+    )
+    stages.append(
+        bench(
+            "rows-in-flight",
+            "bench_rows_in_flight.py",
+            no_trl and f"it runs bench_policy_loss.py, which needs trl ({no_trl})",
+            ["--quick"],
+            ["--rep", "100", "--warmup", "25"],
         )
     )
     stages.append(
@@ -367,6 +382,14 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
                 roof_text,
                 path.name,
             )
+    path = out / f"bench_rows_in_flight_{dev}.json"
+    data = _load(path)
+    for r in (data or {}).get("rows", []):
+        if r["method"] == "fastrl" and r.get("vs_two_kernel") is not None:  # CUDA only
+            case = f"N={r['N']} V={r['V']} {r['dtype']}"
+            roof = f"{r['pct_bw']:.1f}%" if cuda and r.get("pct_bw") is not None else "n/a"
+            add("rows-in-flight", case, f"P={r['rows_in_flight']}: ms / two-kernel ms",
+                r.get("vs_two_kernel"), roof, path.name)  # fmt: skip
     path = out / f"bench_fused_linear_{dev}.json"
     data = _load(path)
     for r in (data or {}).get("rows", []):

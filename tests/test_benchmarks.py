@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -264,3 +265,28 @@ def test_policy_summary_ranges_come_from_the_rows():
     assert "`fastrl` 2.0-4.0x over `trl-eager` and 0.8-2.0x over the fastest baseline" in line
     assert "at 0.5-0.75x of `trl-eager`'s peak memory" in line
     assert "Slower than it: `fastrl` at N=16, V=100 bf16 (`verl-eager`)." in line
+
+
+def test_rows_in_flight_sweep_records_the_grid_each_value_gives(monkeypatch):
+    """bench_rows_in_flight.py: each --rows value's grid as the one-pass launcher computes it
+    (auto: min(SMs, 0.8 L2 / row bytes, N), with the SM count and L2 size assumed off CUDA; 0: a
+    program per row), the caller's FASTRL_ROWS_IN_FLIGHT left as it was; bad values refused."""
+    spec = importlib.util.spec_from_file_location("bench_rif", BENCH / "bench_rows_in_flight.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import torch
+    from fastrl.kernels import policy_loss as k
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("FASTRL_ROWS_IN_FLIGHT", "7")
+    expect = min(k._sm_count(cpu), int(0.8 * k._l2_bytes(cpu)) // (151936 * 2))
+    assert mod.programs("auto", 16384, 151936, "bf16", cpu) == expect == 132  # H100 SXM
+    assert mod.programs("auto", 8192, 262144, "bf16", cpu) == 80
+    assert mod.programs("0", 16384, 151936, "bf16", cpu) == 16384
+    assert mod.programs("66", 16384, 151936, "bf16", cpu) == 66
+    assert mod.programs("264", 100, 151936, "bf16", cpu) == 100  # never more than N
+    assert os.environ["FASTRL_ROWS_IN_FLIGHT"] == "7"
+    with pytest.raises(SystemExit, match="neither auto nor an int"):
+        mod.main(["--quick", "--rows", "auto,-1", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="run it on CUDA"):
+        mod.main(["--device", "cpu"])

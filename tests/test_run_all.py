@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_all.py"
 BENCH_STAGES = [
     "policy-loss",
+    "rows-in-flight",
     "fused-linear",
     "packed",
     "vocab-parallel",
@@ -275,3 +276,28 @@ def test_gpu_tests_run_in_parallel_only_on_cuda(monkeypatch):
         importlib.util, "find_spec", lambda name: None if name == "xdist" else real(name)
     )
     assert "-n" not in run_all.plan(args, True, missing)[0].cmd
+
+
+def test_readme_gpu_calls_name_real_stages_and_fit_a_call():
+    """The README's lent-GPU plan: each `gpu_run.sh --stages ...` call names only run_all's
+    stages, gives each a timeout, and the timeouts fit one 600 s call with a margin for the
+    start; together the calls cover every benchmark stage."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("run_all_mod", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
+    spec.loader.exec_module(mod)
+    readme = (ROOT / "README.md").read_text()
+    calls = re.findall(r"`bash benchmarks/gpu_run.sh (--stages [^`]+)`", readme)
+    assert len(calls) >= 2
+    covered = set()
+    for call in calls:
+        stages = re.search(r"--stages (\S+)", call).group(1).split(",")
+        timeouts = dict(t.split("=") for t in re.findall(r"--timeout (\S+)", call))
+        assert set(stages) <= set(mod.STAGES), call
+        assert set(timeouts) == set(stages), call
+        assert sum(int(v) for v in timeouts.values()) <= 570, call
+        covered |= set(stages)
+    assert set(BENCH_STAGES) | {"pytest-gpu"} <= covered
