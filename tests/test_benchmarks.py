@@ -5,7 +5,6 @@ tables. They check the scripts, not speed."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -13,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from bench_run import run_bench
+from bench_run import load_bench, run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -27,10 +26,7 @@ def _load(path: Path) -> dict:
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("bench_report", BENCH / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("report.py")
 
 
 @pytest.fixture(scope="module")
@@ -271,9 +267,7 @@ def test_rows_in_flight_sweep_records_the_grid_each_value_gives(monkeypatch):
     """bench_rows_in_flight.py: each --rows value's grid as the one-pass launcher computes it
     (auto: min(SMs, 0.8 L2 / row bytes, N), with the SM count and L2 size assumed off CUDA; 0: a
     program per row), the caller's FASTRL_ROWS_IN_FLIGHT left as it was; bad values refused."""
-    spec = importlib.util.spec_from_file_location("bench_rif", BENCH / "bench_rows_in_flight.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("bench_rows_in_flight.py")
     import torch
     from fastrl.kernels import policy_loss as k
 

@@ -12,7 +12,6 @@ specialization: a warm run takes seconds, a cold one a few minutes of CPU.
 """
 
 import ast
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_run import load_bench
 from fastrl.kernels import gae as G
 from fastrl.kernels import policy_loss as PL
 from fastrl.kernels import sampling as S
@@ -151,12 +151,7 @@ def test_the_check_sees_spills(tmp_path):
 
 # --------------------------------------------------------------------------- the committed report
 def _kernel_report():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_report", ROOT / "benchmarks" / "kernel_report.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kernel_report.py")
 
 
 def _committed() -> dict:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_run import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_all.py"
@@ -260,11 +261,7 @@ def test_gpu_tests_run_in_parallel_only_on_cuda(monkeypatch):
     every kernel configuration, within a 600 s call); without CUDA they all skip, serially."""
     import importlib.util
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import run_all
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    run_all = load_bench("run_all.py")
     args = run_all.build_parser().parse_args(["--out", "/tmp/x"])
     missing = run_all.available(set())
     cpu = run_all.plan(args, False, missing)[0]
@@ -282,13 +279,9 @@ def test_readme_gpu_calls_name_real_stages_and_fit_a_call():
     """The README's lent-GPU plan: each `gpu_run.sh --stages ...` call names only run_all's
     stages, gives each a timeout, and the timeouts fit one 600 s call with a margin for the
     start; together the calls cover every benchmark stage."""
-    import importlib.util
     import re
 
-    spec = importlib.util.spec_from_file_location("run_all_mod", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
-    spec.loader.exec_module(mod)
+    mod = load_bench("run_all.py")
     readme = (ROOT / "README.md").read_text()
     calls = re.findall(r"`bash benchmarks/gpu_run.sh (--stages [^`]+)`", readme)
     assert len(calls) >= 2
