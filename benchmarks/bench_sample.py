@@ -10,8 +10,11 @@ Methods (τ = 0.7, no truncation unless named):
                             logp = log_softmax(z/τ).gather(y)    (no entropy)
   fastrl.sample             y, logp and entropy (CPU: chunked PyTorch Gumbel-max; CUDA: Triton)
   fastrl.sample top_p=0.9   the truncated path (sort + the same sampler)
-Reported: median and q20/q80 time (ms), speedup of the median over the baseline, peak memory of
-one call above the inputs (CPU: RSS high-water mark in a child process with
+Reported: median and q20/q80 time (ms), speedup of the median over the baseline, GBs = the
+read-once traffic (N * V * itemsize bytes: the floor of any sampler, which must read every logit)
+/ median time, pct_bw = GBs against the device's peak bandwidth (known GPUs) or, on the CPU, the
+copy bandwidth measured at the start with the same threads (stored in the JSON meta), peak memory
+of one call above the inputs (CPU: RSS high-water mark in a child process with
 MALLOC_MMAP_THRESHOLD_=65536, see benchmarks/_common.py; CUDA: max_memory_allocated).
 Results: <out>/bench_sample_<device>.{json,csv,png} (--out, default benchmarks/results/).
 """
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 from _common import (  # noqa: E402
     DTYPES,
     add_out_arg,
+    cpu_rates,
     device_info,
     measure_peaks,
     save_bars,
@@ -103,15 +107,22 @@ def main() -> None:
     reps = dict.fromkeys(calls, args.rep or (100 if cuda else 5))
     rows = time_rows(calls, reps, args.device, peaks, N=args.N, V=args.V, dtype=args.dtype)
     base = rows[0]["median_ms"]
+    meta = device_info(args.device)
+    rates = {} if cuda else cpu_rates()
+    peak_bw = meta["peak_bandwidth_GBs"] if cuda else rates["copy_GBs"]
+    read_gb = args.N * args.V * DTYPES[args.dtype].itemsize / 1e9
     for row in rows:
         row["speedup_vs_baseline"] = round(base / row["median_ms"], 2)
-    meta = device_info(args.device)
+        row["GBs"] = round(read_gb / (row["median_ms"] / 1e3), 2)
+        row["pct_bw"] = round(100 * row["GBs"] / peak_bw, 1) if peak_bw else None
     meta.update(
         torch_threads=torch.get_num_threads(),
         temperature=TEMPERATURE,
         max_abs_err_logp=logp_err,
         max_abs_err_entropy=ent_err,
         memory_method=memory_method,
+        read_once_GB=read_gb,
+        machine_rates=rates or None,
     )
     paths = save_bars(
         f"bench_sample_{torch.device(args.device).type}",

@@ -71,6 +71,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_targets  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 RESULTS_DIR = BENCH / "results"
@@ -448,7 +451,9 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
             if r["method"] == method:
                 case = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r)
                 base = "the per-step loop" if bench == "gae" else "multinomial+log_softmax"
-                add(bench, case, f"{method} vs {base}", r.get(key), "n/a", path.name)
+                pct = r.get("pct_bw") if cuda else None  # the sampler's read-once roofline
+                roof = f"{pct:.1f}%" if pct is not None else "n/a"
+                add(bench, case, f"{method} vs {base}", r.get(key), roof, path.name)
     path = out / f"bench_trl_step_{dev}.json"
     data = _load(path)
     for r in (data or {}).get("rows", []):
@@ -588,6 +593,7 @@ def summarize(args, stages, cuda, gpu, missing, started, since, total_s) -> dict
             by_name["compile-check"]["detail"] = (
                 f"{cc.get('unique_configs')} launch configurations, {cc.get('failed')} failed"
             )
+    summary["targets"] = gpu_targets.grade(out, summary["pytest_gpu"])
     return summary
 
 
@@ -663,6 +669,12 @@ def markdown(summary: dict) -> str:
         )
     if not summary["headlines"]:
         lines.append("| (no results files) | | | | | |")
+    graded = summary.get("targets") or []
+    lines += ["", "## Issue 22's targets (graded from the *_cuda.json files)", ""]
+    if any(t["verdict"] != "not measured" for t in graded):
+        lines += gpu_targets.markdown(graded)
+    else:
+        lines.append("No CUDA results (or no pytest -m gpu on a GPU): nothing to grade.")
     lines += ["", "## Baselines", "", "| baseline | status |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary["baselines"].items()]
     lines += [
@@ -811,6 +823,7 @@ def merge(args) -> int:
         "hidden_or_missing_packages": {k: v for k, v in hidden.items() if v},
         "results_files": results_files(out),
     }
+    summary["targets"] = gpu_targets.grade(out, summary["pytest_gpu"])
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "summary.md").write_text(markdown(summary))
     failed = [st["name"] for st in summary["stages"] if st["status"] == "failed"]

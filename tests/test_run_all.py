@@ -147,6 +147,18 @@ def test_headline_ratios_are_read_from_the_results(run):
     md = (out / "summary.md").read_text()
     assert "## Headline ratios" in md and "fastrl vs trl-eager" in md and "x GEMM floor" in md
     assert "fastrl-packed vs fastrl-padded" in md and "P=2 vs unsharded" in md
+    # the sampler's row carries its read-once traffic (its roofline is graded on CUDA only)
+    sample = json.loads((out / "bench_sample_cpu.json").read_text())["rows"]
+    assert all(r["GBs"] > 0 and r["pct_bw"] > 0 for r in sample)
+
+
+def test_issue_targets_are_in_the_summary(run):
+    """A CPU run grades none of issue 22's targets (they are read from *_cuda.json files only)
+    and says so; the rows are there for a GPU run's summary."""
+    _, out, summary, _ = run
+    assert summary["targets"] and {t["verdict"] for t in summary["targets"]} == {"not measured"}
+    md = (out / "summary.md").read_text()
+    assert "## Issue 22's targets" in md and "nothing to grade" in md
 
 
 def test_results_files_carry_device_versions_commit(run):
@@ -225,6 +237,7 @@ def test_merge_joins_the_calls_of_a_split_run(run, tmp_path):
     assert (merged / "logs" / "gae.log").read_text() == (second / "logs" / "gae.log").read_text()
     assert any(h["bench"] == "gae" and h["this_run"] for h in summary["headlines"])
     assert "Merged from the runs in" in (merged / "summary.md").read_text()
+    assert len(summary["targets"]) == len(first_summary["targets"])
 
     bad = subprocess.run([*cmd[:2], "--merge", str(tmp_path), "--out", str(merged)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
