@@ -646,8 +646,9 @@ def table(summary: dict) -> str:
         f"{s['torch_threads']} thread per run; TRL `loss_type=\"dapo\"`, fastrl `--algo grpo`; "
         f"at most {s['budget_s']:g} training s per run; seeds {summary['seeds']}; {m['cpu']} "
         f"({m['cores']} cores, load {m['load_avg_at_start']:.1f} at start), torch "
-        f"{summary['versions']['torch']}, commit {summary['git_commit'][:7]}{src}. "
-        "Steps / training seconds (evaluations excluded) to held-out greedy accuracy:",
+        f"{summary['versions']['torch']}, commit {summary['git_commit'][:7]}{src}"
+        + (f"; `{summary['command']}`" if summary.get("command") else "")
+        + ". Steps / training seconds (evaluations excluded) to held-out greedy accuracy:",
         "",
         "| trainer | seed | " + " | ".join(f"to {x:g}" for x in THRESHOLDS)
         + f" | s / step | mean acc, steps 1-{summary['summary']['trl']['curve']['horizon']} |",
@@ -912,6 +913,8 @@ def main(args) -> dict:
             "versions": {"torch": torch.__version__, "trl": trl.__version__,
                          "transformers": transformers.__version__},
             "git_commit": info.get("git_commit"),
+            # the command as run, so that the file says how to reproduce it
+            "command": shlex.join(["python", "benchmarks/bench_learning.py", *sys.argv[1:]]),
             "fastrl_imported_from": str(Path(fastrl.__file__).parent),
             "fastrl_is_this_checkout": HERE.parent in Path(fastrl.__file__).resolve().parents,
             "time_utc": info.get("time_utc"),

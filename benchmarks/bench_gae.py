@@ -7,7 +7,11 @@
 Workload: rewards / values (B, T) fp32, a response mask with random lengths (trailing padding)
 and ~10% masked tokens inside the responses (tool output), γ = 1, λ = 0.95, advantages whitened
 over the counted tokens on both sides. Methods:
-  python-loop   for t = T-1 .. 0 over (B,) slices, then masked whitening (written here)
+  python-loop   for t = T-1 .. 0 over (B,) slices, then masked whitening (written here, the
+                baseline of speedup_vs_loop: it runs where verl is not installed)
+  verl          verl's own core_algos.compute_gae_advantage_return (the same loop and
+                verl_F.masked_whiten), when verl imports (skipped with a note otherwise, e.g. on
+                a GPU image without verl's dependencies); --no-verl leaves it out
   fastrl.gae    CPU: the blocked closed-form scan; CUDA: the Triton kernel (check=False: no
                 NaN check, so no host sync)
 Reported: median and q20/q80 time (ms), speedup of the median over the loop, peak memory of one
@@ -62,13 +66,27 @@ def make_inputs(B, T, device, seed=0):
     return rewards.to(device), values.to(device), mask.to(device)
 
 
-def methods(args, r, v, m) -> dict:
-    """name -> () -> one call on (r, v, m); the loop left out with --skip-loop."""
+def verl_gae():
+    """verl's compute_gae_advantage_return, or the reason it cannot be imported."""
+    try:
+        from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+    except Exception as e:  # not installed, or one of its own imports missing
+        return None, f"verl not importable ({type(e).__name__}: {e})"
+    return compute_gae_advantage_return, None
+
+
+def methods(args, r, v, m, notes: dict | None = None) -> dict:
+    """name -> () -> one call on (r, v, m); the loops left out with --skip-loop, verl's also
+    with --no-verl or when it cannot be imported (the reason goes to `notes`)."""
     gamma, lam = 1.0, 0.95
-    calls = {
-        "python-loop": lambda: loop_gae(r, v, m.float(), gamma, lam),
-        "fastrl.gae": lambda: fastrl.gae(r, v, m, gamma, lam, check=False),
-    }
+    calls = {"python-loop": lambda: loop_gae(r, v, m.float(), gamma, lam)}
+    verl, why = verl_gae() if not (args.skip_loop or args.no_verl) else (None, "--no-verl")
+    if verl is not None:
+        gamma_t, lam_t, mf = torch.tensor(gamma), torch.tensor(lam), m.float()
+        calls["verl"] = lambda: verl(r, v, mf, gamma_t, lam_t)
+    elif notes is not None and not args.skip_loop:
+        notes["verl"] = why
+    calls["fastrl.gae"] = lambda: fastrl.gae(r, v, m, gamma, lam, check=False)
     if args.skip_loop:
         del calls["python-loop"]
     return calls
@@ -94,7 +112,8 @@ def main() -> None:
         default=os.cpu_count(),
         help="torch CPU threads for both methods (default: all cores; 1 on a shared machine)",
     )
-    p.add_argument("--skip-loop", action="store_true")
+    p.add_argument("--skip-loop", action="store_true", help="time only fastrl.gae")
+    p.add_argument("--no-verl", action="store_true", help="leave out verl's own function")
     add_out_arg(p, "bench_gae")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -112,11 +131,19 @@ def main() -> None:
     else:
         max_err = None
 
-    calls = methods(args, r, v, m)
+    notes: dict = {}
+    calls = methods(args, r, v, m, notes)
+    if "verl" in calls:  # the same loop: check it agrees too (not timed)
+        verl_adv, _ = calls["verl"]()
+        max_err_verl = (adv - verl_adv).abs().max().item()
+    else:
+        max_err_verl = None
     child = ["--device", args.device, "--B", str(args.B), "--T", str(args.T)]
     child += ["--threads", str(args.threads)] + (["--skip-loop"] if args.skip_loop else [])
+    child += ["--no-verl"] if "verl" not in calls else []
     peaks, memory_method = measure_peaks(calls, args.device, __file__, child)
-    reps = {"python-loop": (args.rep or 500) if cuda else args.loop_rep}
+    loop_reps = (args.rep or 500) if cuda else args.loop_rep
+    reps = {"python-loop": loop_reps, "verl": loop_reps}
     reps["fastrl.gae"] = args.rep or (100 if cuda else 10)
     rows = time_rows(calls, reps, args.device, peaks, B=args.B, T=args.T)
     base = next((row["median_ms"] for row in rows if row["method"] == "python-loop"), None)
@@ -129,7 +156,9 @@ def main() -> None:
         lam=0.95,
         counted_fraction=round(m.float().mean().item(), 3),
         max_abs_err_vs_loop=max_err,
+        max_abs_err_vs_verl=max_err_verl,
         memory_method=memory_method,
+        notes=notes,
     )
     paths = save_bars(
         f"bench_gae_{torch.device(args.device).type}",

@@ -238,19 +238,34 @@ def _fused_linear_legacy(data: dict) -> list[str]:
 
 
 def _generic(data: dict, title: str, speed_key: str) -> list[str]:
+    """One row per method: shape, median time, speed-up (`speed_key`), peak memory, and, where
+    the rows carry them (the sampler's), GB/s of its floor traffic and % of the bandwidth."""
     meta, rows = data["meta"], data["rows"]
+    traffic = any("GBs" in r for r in rows)
     cells = [
         [
             r["method"],
             ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r),
             f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - {_fmt(r['q80_ms'])})",
             f"{_fmt(r.get(speed_key), 2)}x",
+            *([f"{_fmt(r.get('GBs'))} ({_fmt(r.get('pct_bw'))} %)"] if traffic else []),
             _fmt(r.get("peak_MB"), 0),
         ]
         for r in rows
     ]
-    columns = ["method", "shape", "median ms (q20 - q80)", "speed-up", "peak MB"]
-    return _table(f"**{title}**; {_machine(meta)}", columns, cells)
+    columns = ["method", "shape", "median ms (q20 - q80)", "speed-up"]
+    columns += [f"GB/s ({_bandwidth(meta)})"] if traffic else []
+    return _table(f"**{title}**; {_machine(meta)}", [*columns, "peak MB"], cells)
+
+
+def _bandwidth(meta: dict) -> str:
+    """What the % of a GB/s column is against: the device's peak or the CPU's measured copy."""
+    rates = meta.get("machine_rates") or {}
+    if rates.get("copy_GBs"):
+        return f"% of the measured copy bandwidth, {rates['copy_GBs']:.1f} GB/s"
+    if meta.get("peak_bandwidth_GBs"):
+        return f"% of the {meta['peak_bandwidth_GBs']:.0f} GB/s peak"
+    return "% of peak: unknown"
 
 
 def _packed(data: dict) -> list[str]:
@@ -470,7 +485,10 @@ def tables(block: str, results: Path | None = None) -> str:
             lines = _generic(data, "GAE vs the per-step loop", "speedup_vs_loop")
         elif name.startswith("bench_sample"):
             lines = _generic(
-                data, "Sampler vs multinomial + log_softmax gather", "speedup_vs_baseline"
+                data,
+                "Sampler vs multinomial + log_softmax gather (GB/s: reading the logits once, "
+                "N * V * itemsize bytes, the floor of any sampler)",
+                "speedup_vs_baseline",
             )
         else:
             continue

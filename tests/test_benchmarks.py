@@ -183,6 +183,10 @@ def test_learning_vs_trl_quick(tmp_path):
     assert data["thresholds"] == [0.5, 0.8, 0.9]
     assert set(data["runs"]) == {"trl", "fastrl"} == set(data["summary"])
     assert data["versions"]["trl"] and data["git_commit"] and data["machine"]["cpu"]
+    # the file says how it was made: the command as run, also in its table
+    command = f"python benchmarks/bench_learning.py --vs-trl --quick --out {tmp_path}"
+    assert data["command"] == command
+    assert f"`{data['command']}`" in (tmp_path / "learning_vs_trl.md").read_text()
     s = data["settings"]
     assert s["completions_per_step"] == s["group_size"] * s["batch_prompts"]
     assert 0.0 <= data["warm_start_acc"] <= 1.0 and data["model"]["params"] > 0
