@@ -33,6 +33,9 @@ and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
   sample          bench_sample.py: N = 256, V = 151936 (bf16 on CUDA)
   trl-step        bench_trl_step.py: one optimizer step of fastrl.integrations.trl.GRPOTrainer vs
                   trl.GRPOTrainer on a tiny local Qwen2
+  profile         bench_profile.py: torch.profiler's time per kernel of fastrl's policy loss and
+                  fused linear loss and of their baselines (CUDA: N = 8192, V = 151936, H = 4096,
+                  bf16), to explain a missed target
   readme          (only with --readme) report.py --readme --results <out>
 With --quick every benchmark runs its own --quick mode (or small shapes) on the CPU; pytest -m gpu
 and the compile check run as they are. Without CUDA and without --quick the benchmarks run at
@@ -97,6 +100,7 @@ STAGES = (
     "gae",
     "sample",
     "trl-step",
+    "profile",
     "readme",
 )
 # seconds: (full run on CUDA, --quick on CPU)
@@ -111,6 +115,7 @@ TIMEOUTS = {
     "gae": (180, 120),
     "sample": (180, 120),
     "trl-step": (300, 180),
+    "profile": (240, 180),
     "readme": (120, 120),
 }
 
@@ -237,6 +242,8 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
     lacking = no_trl or missing["datasets"]
     why = lacking and f"needs trl and datasets ({lacking})"
     stages.append(bench("trl-step", "bench_trl_step.py", why, ["--quick"], bar=False))
+    why = no_trl and f"its baselines (TRL's loss and chunked head) need trl ({no_trl})"
+    stages.append(bench("profile", "bench_profile.py", why, ["--quick"], (), no_liger, bar=False))
 
     if args.readme:
         stages.append(Stage("readme", cmd=readme_cmd(args)))

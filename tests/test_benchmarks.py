@@ -288,3 +288,37 @@ def test_rows_in_flight_sweep_records_the_grid_each_value_gives(monkeypatch):
         mod.main(["--quick", "--rows", "auto,-1", "--device", "cpu"])
     with pytest.raises(SystemExit, match="run it on CUDA"):
         mod.main(["--device", "cpu"])
+
+
+def test_profile_quick(tmp_path):
+    """bench_profile.py --quick: every method of both workloads profiled, its rows' times add up to
+    its step time (the top kernels longest first, then "(other)"), shares sum to 1, the floor of
+    the fused-linear workload is the gemm-floor method's step; JSON, CSV, PNG and Markdown."""
+    pytest.importorskip("trl")
+    _run("bench_profile.py", "--quick", "--no-liger", "--top", "3", "--out", str(tmp_path),
+         timeout=300)  # fmt: skip
+    data = _load(tmp_path / "bench_profile_cpu.json")
+    rows = data["rows"]
+    methods = {(r["workload"], r["method"]) for r in rows}
+    assert methods == {("policy-loss", "fastrl"), ("policy-loss", "trl-eager"),
+                       ("fused-linear", "fastrl-fused-linear"),
+                       ("fused-linear", "linear_logprobs+grpo"),
+                       ("fused-linear", "gemm-floor"), ("fused-linear", "trl-chunked")}  # fmt: skip
+    steps = {}
+    for workload, method in methods:
+        mine = [r for r in rows if (r["workload"], r["method"]) == (workload, method)]
+        assert 1 <= len(mine) <= 4  # --top 3 and "(other)"
+        named = [r["ms_per_step"] for r in mine if r["kernel"] != "(other)"]
+        assert named == sorted(named, reverse=True)
+        assert sum(r["ms_per_step"] for r in mine) == pytest.approx(mine[0]["step_ms"], abs=1e-3)
+        assert sum(r["share"] for r in mine) == pytest.approx(1.0, abs=1e-3)
+        steps[workload, method] = mine[0]
+    fastrl = steps["policy-loss", "fastrl"]
+    assert fastrl["floor_ms"] is None  # a bytes floor needs a known peak bandwidth (CUDA)
+    floor = steps["fused-linear", "gemm-floor"]["step_ms"]
+    fused = steps["fused-linear", "fastrl-fused-linear"]
+    assert fused["floor_ms"] == pytest.approx(floor, abs=2e-4)  # both rounded to 4 decimals
+    md = (tmp_path / "bench_profile_cpu.md").read_text()
+    assert "## fused-linear: fastrl-fused-linear (N=64, H=32, V=512, dtype=fp32)" in md
+    assert (tmp_path / "bench_profile_cpu.csv").exists()
+    assert (tmp_path / "bench_profile_cpu.png").stat().st_size > 0

@@ -28,6 +28,7 @@ BENCH_STAGES = [
     "gae",
     "sample",
     "trl-step",
+    "profile",
 ]
 
 
@@ -166,7 +167,7 @@ def test_results_files_carry_device_versions_commit(run):
     files = {f["file"]: f for f in summary["results_files"]}
     expected = {
         f"bench_{b}_cpu.json"
-        for b in ("policy_loss", "fused_linear", "packed", "vocab_parallel", "sample")
+        for b in ("policy_loss", "fused_linear", "packed", "vocab_parallel", "sample", "profile")
     }
     assert expected | {"bench_trl_step_cpu.json"} <= set(files)
     for name, f in files.items():
