@@ -377,6 +377,14 @@ def cpu_rates(numel: int = 1 << 26, rep: int = 5) -> dict:
     }
 
 
+def add_traffic(rows: list[dict], nbytes: float, peak_GBs: float | None) -> None:
+    """Give each row (with median_ms) GBs = nbytes / its median time and pct_bw = GBs against
+    `peak_GBs` (the device's peak, or the CPU's measured copy bandwidth; None: no pct_bw)."""
+    for row in rows:
+        row["GBs"] = round(nbytes / 1e9 / (row["median_ms"] / 1e3), 2)
+        row["pct_bw"] = round(100 * row["GBs"] / peak_GBs, 1) if peak_GBs else None
+
+
 class _NoBar:
     def __init__(self, *a, **k):
         pass

@@ -14,8 +14,11 @@ over the counted tokens on both sides. Methods:
                 a GPU image without verl's dependencies); --no-verl leaves it out
   fastrl.gae    CPU: the blocked closed-form scan; CUDA: the Triton kernel (check=False: no
                 NaN check, so no host sync)
-Reported: median and q20/q80 time (ms), speedup of the median over the loop, peak memory of one
-call above the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
+Reported: median and q20/q80 time (ms), speedup of the median over the loop, GBs = the floor
+traffic (read rewards, values and the bool mask once, write advantages and returns once: 17 bytes
+a token) / median time, pct_bw = GBs against the device's peak bandwidth (known GPUs) or the CPU's
+copy bandwidth measured with the same threads (in the JSON meta), peak memory of one call above
+the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
 benchmarks/_common.py; CUDA: max_memory_allocated). On CPU both methods use --threads torch
 threads (default: all cores; pass 1 when the machine is shared with other jobs).
 Results: <out>/bench_gae_<device>.{json,csv,png} (--out, default benchmarks/results/).
@@ -32,7 +35,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _common import add_out_arg, device_info, measure_peaks, save_bars, time_rows  # noqa: E402
+from _common import (  # noqa: E402
+    add_out_arg,
+    add_traffic,
+    cpu_rates,
+    device_info,
+    measure_peaks,
+    save_bars,
+    time_rows,
+)
 
 import fastrl  # noqa: E402
 
@@ -150,7 +161,14 @@ def main() -> None:
     for row in rows:
         row["speedup_vs_loop"] = round(base / row["median_ms"], 2) if base else None
     meta = device_info(args.device)
+    rates = {} if cuda else cpu_rates()
+    # the floor of any GAE: read rewards, values (fp32) and the mask (bool) once, write the
+    # advantages and returns (fp32) once: 17 bytes a token
+    add_traffic(
+        rows, 17 * args.B * args.T, meta["peak_bandwidth_GBs"] if cuda else rates["copy_GBs"]
+    )
     meta.update(
+        machine_rates=rates or None,
         torch_threads=torch.get_num_threads(),
         gamma=1.0,
         lam=0.95,

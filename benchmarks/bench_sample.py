@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from _common import (  # noqa: E402
     DTYPES,
     add_out_arg,
+    add_traffic,
     cpu_rates,
     device_info,
     measure_peaks,
@@ -113,8 +114,7 @@ def main() -> None:
     read_gb = args.N * args.V * DTYPES[args.dtype].itemsize / 1e9
     for row in rows:
         row["speedup_vs_baseline"] = round(base / row["median_ms"], 2)
-        row["GBs"] = round(read_gb / (row["median_ms"] / 1e3), 2)
-        row["pct_bw"] = round(100 * row["GBs"] / peak_bw, 1) if peak_bw else None
+    add_traffic(rows, read_gb * 1e9, peak_bw)
     meta.update(
         torch_threads=torch.get_num_threads(),
         temperature=TEMPERATURE,

@@ -482,7 +482,12 @@ def tables(block: str, results: Path | None = None) -> str:
         elif name.startswith("bench_fused_linear"):
             lines = _fused_linear(data)
         elif name.startswith("bench_gae"):
-            lines = _generic(data, "GAE vs the per-step loop", "speedup_vs_loop")
+            lines = _generic(
+                data,
+                "GAE vs the per-step loop (GB/s: reading rewards, values and the mask once and "
+                "writing advantages and returns once, 17 bytes a token)",
+                "speedup_vs_loop",
+            )
         elif name.startswith("bench_sample"):
             lines = _generic(
                 data,
