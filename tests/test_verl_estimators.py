@@ -1,5 +1,6 @@
-"""fastrl's advantages against verl's own estimators (verl 0.9.1 `core_algos`, installed with
---no-deps; skipped without it): GAE, GRPO (and Dr.GRPO), RLOO and the REINFORCE++ baseline.
+"""fastrl's advantages and value loss against verl's own (verl 0.9.1 `core_algos`, installed with
+--no-deps; skipped without it): GAE, GRPO (and Dr.GRPO), RLOO, the REINFORCE++ baseline and the
+clipped value loss (SPEC 8) in each of its aggregations, with its gradient and clip fraction.
 
 SPEC 7 follows verl's formulas; where the two differ on purpose (groups of one, groups whose
 rewards are all equal) the tests below pin both sides, so that docs/integrations.md's table of
@@ -133,6 +134,30 @@ def test_reinforce_pp_baseline_equals_verl(size):
     adv = fastrl.group_advantages(rewards, group_ids=ids, estimator="reinforce++", mask=mask)
     assert adv.shape == mask.shape
     torch.testing.assert_close(adv * mask, want, atol=ATOL, rtol=RTOL)
+
+
+# --------------------------------------------------------------------------- value loss
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+@pytest.mark.parametrize("clip", [0.2, 0.5])
+def test_value_loss_equals_verl(agg, clip):
+    """fastrl.value_loss(values, old_values, returns, mask, clip, agg) == verl's
+    compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):
+    the loss, its gradient with respect to the predicted values, and vf_clipfrac."""
+    mask, _, g = _responses(6, 11, seed=7)
+    vpreds = torch.randn(6, 11, generator=g, requires_grad=True)
+    old, returns = torch.randn(6, 11, generator=g), torch.randn(6, 11, generator=g)
+    want, want_clipfrac = core_algos.compute_value_loss(
+        vpreds, returns, old, mask.float(), clip, loss_agg_mode=agg
+    )
+    (want_grad,) = torch.autograd.grad(want, vpreds)
+    loss, clipfrac = fastrl.value_loss(vpreds, old, returns, mask, clip=clip, agg=agg)
+    (grad,) = torch.autograd.grad(loss, vpreds)
+    torch.testing.assert_close(loss, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(grad, want_grad, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(clipfrac, torch.as_tensor(want_clipfrac).float())
+    assert 0 < clipfrac < 1  # both sides of the clip are exercised
 
 
 # --------------------------------------------------------------------------- where they differ
