@@ -10,7 +10,9 @@ On a lent GPU machine (600 s a call) the stages are split over calls with --stag
 --merge joins the calls' folders afterwards.
 
 Stages, in order, each a subprocess with its own timeout (a failed or timed-out stage is reported
-and the next one still runs); its stdout + stderr go to <out>/logs/<stage>.log:
+and the next one still runs; past its timeout a stage gets SIGINT, then SIGKILL after GRACE_S, so
+that pytest-gpu cut short still writes the counts it has); its stdout + stderr go to
+<out>/logs/<stage>.log:
   pytest-gpu      python -m pytest -m gpu tests/ (junit XML in <out>/pytest_gpu.xml; on CUDA with
                   up to 8 pytest-xdist workers sharing the device); without a CUDA device every
                   test skips, and the summary says so
@@ -103,6 +105,7 @@ STAGES = (
     "profile",
     "readme",
 )
+GRACE_S = 15  # seconds a stage past its timeout gets to end after SIGINT, before SIGKILL
 # seconds: (full run on CUDA, --quick on CPU)
 TIMEOUTS = {
     "pytest-gpu": (420, 300),
@@ -298,8 +301,15 @@ def run_stage(s: Stage, timeout: float, logs: Path) -> None:
             try:
                 s.rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                # SIGINT first: pytest then ends its session as on Ctrl-C and still writes its
+                # junit XML, so a GPU test run cut at its timeout keeps the counts it has; what
+                # has not exited after GRACE_S is killed
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
                 s.rc = None
                 s.detail = f"timed out after {timeout:g} s"
         finally:
@@ -579,6 +589,8 @@ def summarize(args, stages, cuda, gpu, missing, started, since, total_s) -> dict
         counts["note"] = (
             "no CUDA device: every gpu test skips" if not gpu else "on " + str(_gpu_name())
         )
+        if by_name["pytest-gpu"]["detail"].startswith("timed out"):
+            counts["note"] += " (cut at the stage's timeout: the counts so far)"
         summary["pytest_gpu"] = counts
         by_name["pytest-gpu"]["detail"] = "; ".join(
             filter(

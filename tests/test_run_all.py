@@ -308,3 +308,23 @@ def test_readme_gpu_calls_name_real_stages_and_fit_a_call():
         assert sum(int(v) for v in timeouts.values()) <= 570, call
         covered |= set(stages)
     assert set(BENCH_STAGES) | {"pytest-gpu"} <= covered
+
+
+def test_a_stage_cut_at_its_timeout_keeps_pytests_counts(tmp_path):
+    """run_stage ends a stage past its timeout with SIGINT first: pytest then ends its session as
+    on Ctrl-C and writes its junit XML, so the counts so far survive (one test passed before
+    the slow one was cut); the stage is failed, "timed out"."""
+    mod = load_bench("run_all.py")
+    tests = tmp_path / "test_slow.py"
+    tests.write_text("import time\n\ndef test_fast():\n    pass\n\n"
+                     "def test_slow():\n    time.sleep(120)\n")  # fmt: skip
+    (tmp_path / "logs").mkdir()
+    xml = tmp_path / "pytest_gpu.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+           "junit_family=xunit2", "--junitxml", str(xml), str(tests)]  # fmt: skip
+    stage = mod.Stage("pytest-gpu", cmd=cmd)
+    mod.run_stage(stage, 15, tmp_path / "logs")
+    assert stage.status == "failed" and stage.detail == "timed out after 15 s"
+    assert stage.seconds < 15 + mod.GRACE_S
+    counts = mod.pytest_counts(xml)
+    assert counts is not None and counts["passed"] == 1, counts
