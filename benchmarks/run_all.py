@@ -892,6 +892,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: {why}; skipping {BASELINES[name][1]}", file=sys.stderr)
     stages = plan(args, cuda, missing)
     n = len(stages)
+
+    def write_summary() -> dict:
+        """summary.json / .md of the stages so far: written after every stage, so that a run
+        killed from outside (a device call's own time limit) leaves one that --merge reads."""
+        total = time.perf_counter() - t0
+        summary = summarize(args, stages, cuda, gpu, missing, started, wall0, total)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "summary.md").write_text(markdown(summary))
+        return summary
+
+    for s in stages:
+        if s.cmd is not None:  # until it runs: skipped, for --merge and the summary
+            s.detail = "not reached: the run stopped before this stage"
     for i, s in enumerate(stages, 1):
         tag = f"[{i}/{n}] {s.name:14s}"
         if s.cmd is None:
@@ -904,6 +917,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+        s.detail = ""
         run_stage(s, timeouts[s.name], logs)
         print(
             f"{tag} {s.status} in {s.seconds:.1f} s{': ' + s.detail if s.detail else ''}"
@@ -911,9 +925,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    summary = summarize(args, stages, cuda, gpu, missing, started, wall0, time.perf_counter() - t0)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "summary.md").write_text(markdown(summary))
+        write_summary()
+    summary = write_summary()
     failed = [s.name for s in stages if s.status == "failed"]
     print(
         f"run_all: {len(failed)} failed stage(s){': ' + ', '.join(failed) if failed else ''}; "

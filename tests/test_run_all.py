@@ -328,3 +328,36 @@ def test_a_stage_cut_at_its_timeout_keeps_pytests_counts(tmp_path):
     assert stage.seconds < 15 + mod.GRACE_S
     counts = mod.pytest_counts(xml)
     assert counts is not None and counts["passed"] == 1, counts
+
+
+def test_a_run_killed_from_outside_leaves_a_summary_to_merge(tmp_path):
+    """The summary is written after every stage: a run killed mid-way (a device call's own time
+    limit) leaves summary.json with the stages done and the rest "not reached", and --merge
+    takes it."""
+    import signal
+    import time
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--stages", "gae,sample"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+    deadline = time.time() + 240
+    while not (out / "summary.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    running = proc.poll() is None  # a summary before the run's end: written after gae
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert running, "summary.json appeared only when the run had ended"
+    summary = json.loads((out / "summary.json").read_text())
+    stages = {s["name"]: s for s in summary["stages"]}
+    assert stages["gae"]["status"] == "passed"
+    assert stages["sample"]["status"] == "skipped"  # sample takes seconds: killed during it
+    assert stages["sample"]["detail"].startswith("not reached")
+    merged = tmp_path / "merged"
+    cmd = [sys.executable, str(SCRIPT), "--merge", str(out), "--out", str(merged)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    merged_stages = {
+        s["name"]: s for s in json.loads((merged / "summary.json").read_text())["stages"]
+    }
+    assert merged_stages["gae"]["status"] == "passed"
