@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = device.type == "cuda"
     dtype_name = args.dtype or ("bf16" if cuda else "fp32")
     dtype = DTYPES[dtype_name]
+    for name, low in (("calls", 1), ("top", 1), ("warmup", 0)):
+        if getattr(args, name) < low:
+            p.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
     workloads = [w for w in args.workloads.split(",") if w]
     bad = set(workloads) - {"policy-loss", "fused-linear"}
     if bad:

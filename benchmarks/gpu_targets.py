@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     args = p.parse_args(argv)
+    if not args.results.is_dir():
+        p.error(f"--results {args.results}: no such folder")
     summary = _load(args.results / "summary.json") or {}
     rows = grade(args.results, summary.get("pytest_gpu"))
     print(json.dumps(rows, indent=1) if args.json else "\n".join(markdown(rows)))

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,18 @@ def test_profile_quick(tmp_path):
     assert "## fused-linear: fastrl-fused-linear (N=64, H=32, V=512, dtype=fp32)" in md
     assert (tmp_path / "bench_profile_cpu.csv").exists()
     assert (tmp_path / "bench_profile_cpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--calls", "0"], "--calls must be >= 1, got 0"),
+        (["--top", "0"], "--top must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--workloads", "policy-loss,gae"], "--workloads: unknown ['gae']"),
+    ],
+)
+def test_profile_bad_options(args, message):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_profile.py"), *args],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 2 and message in res.stderr, res.stderr[-500:]

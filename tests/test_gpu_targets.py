@@ -118,3 +118,7 @@ def test_cli_reads_the_folder_and_its_summary(cuda_results):
     help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
                                text=True, timeout=60).stdout  # fmt: skip
     assert "--results" in help_text and "--json" in help_text and "85 %" in help_text
+    missing = cuda_results / "nowhere"
+    bad = subprocess.run([sys.executable, str(script), "--results", str(missing)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and f"--results {missing}: no such folder" in bad.stderr
