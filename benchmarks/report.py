@@ -239,7 +239,7 @@ def _fused_linear_legacy(data: dict) -> list[str]:
 
 def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     """One row per method: shape, median time, speed-up (`speed_key`), peak memory, and, where
-    the rows carry them (the sampler's), GB/s of its floor traffic and % of the bandwidth."""
+    the rows carry them (the sampler, GAE), GB/s of their floor traffic and % of the bandwidth."""
     meta, rows = data["meta"], data["rows"]
     traffic = any("GBs" in r for r in rows)
     cells = [

@@ -468,7 +468,7 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
             if r["method"] == method:
                 case = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r)
                 base = "the per-step loop" if bench == "gae" else "multinomial+log_softmax"
-                pct = r.get("pct_bw") if cuda else None  # the sampler's read-once roofline
+                pct = r.get("pct_bw") if cuda else None  # of its floor traffic (read once)
                 roof = f"{pct:.1f}%" if pct is not None else "n/a"
                 add(bench, case, f"{method} vs {base}", r.get(key), roof, path.name)
     path = out / f"bench_trl_step_{dev}.json"
