@@ -1,6 +1,7 @@
 """fastrl's advantages and value loss against verl's own (verl 0.9.1 `core_algos`, installed with
---no-deps; skipped without it): GAE, GRPO (and Dr.GRPO), RLOO, the REINFORCE++ baseline and the
-clipped value loss (SPEC 8) in each of its aggregations, with its gradient and clip fraction.
+--no-deps; skipped without it): GAE, GRPO (and Dr.GRPO), RLOO, the REINFORCE++ baseline, the
+clipped value loss (SPEC 8) in each of its aggregations, with its gradient and clip fraction, and
+every KL loss type verl names, through the integration's config mapping.
 
 SPEC 7 follows verl's formulas; where the two differ on purpose (groups of one, groups whose
 rewards are all equal) the tests below pin both sides, so that docs/integrations.md's table of
@@ -158,6 +159,37 @@ def test_value_loss_equals_verl(agg, clip):
     torch.testing.assert_close(grad, want_grad, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(clipfrac, torch.as_tensor(want_clipfrac).float())
     assert 0 < clipfrac < 1  # both sides of the clip are exercised
+
+
+# --------------------------------------------------------------------------- KL penalties
+@pytest.mark.parametrize("kl_type", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_kl_loss_types_equal_verl(kl_type):
+    """Each verl `kl_loss_type` through `loss_config_from_verl`: fastrl.policy_loss with zero
+    advantages (the clipped surrogate and its gradient are then 0) equals kl_loss_coef times the
+    token mean of verl's own kl_penalty on the same log-probs, in value and in the gradient with
+    respect to the logits; log-ratios from -30 to 30 reach the clamps of low_var_kl (at +-20 on
+    the log-ratio, at 10 on the estimate)."""
+    from fastrl.integrations.verl import loss_config_from_verl
+
+    mask, _, g = _responses(4, 16, seed=11)
+    logits = torch.randn(4, 16, 50, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 50, (4, 16), generator=g)
+    logp_now = torch.log_softmax(logits.detach(), -1).gather(-1, tokens[..., None])[..., 0]
+    ref = logp_now + torch.empty(4, 16).uniform_(-30, 30, generator=g)
+    actor = {"use_kl_loss": True, "kl_loss_type": kl_type, "kl_loss_coef": 0.1,
+             "loss_agg_mode": "token-mean"}  # fmt: skip
+    cfg = loss_config_from_verl(actor)
+    zeros = torch.zeros(4)
+    out = fastrl.policy_loss(logits, tokens, zeros, logp_now, ref, mask, config=cfg)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    kl = core_algos.kl_penalty(logp, ref, kl_type)
+    want = 0.1 * (kl * mask).sum() / mask.sum()
+    (want_grad,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(out.loss, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(grad, want_grad, atol=ATOL, rtol=RTOL)
+    if kl_type in ("low_var_kl", "k3"):  # both clamps were reached
+        assert (ref - logp_now).abs().max() > 20 and kl.detach().max() == 10
 
 
 # --------------------------------------------------------------------------- where they differ
