@@ -31,7 +31,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EXTRA_BYTES_PER_ROW = 1024  # the O(N) grade of target 2's memory: bytes a row beyond the gradient
 
 
-def _load(path: Path) -> dict | None:
+def load_json(path: Path) -> dict | None:
+    """The JSON in `path`, or None when it is missing or not JSON (a stage that did not run or
+    was cut while writing). run_all reads its results files with it too."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -41,7 +43,7 @@ def _load(path: Path) -> dict | None:
 def _rows(out: Path, stem: str) -> tuple[list[dict], str]:
     """The rows of <out>/<stem>_cuda.json (none when it is missing) and its file name."""
     path = out / f"{stem}_cuda.json"
-    data = _load(path)
+    data = load_json(path)
     return (data or {}).get("rows", []), path.name
 
 
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.results.is_dir():
         p.error(f"--results {args.results}: no such folder")
-    summary = _load(args.results / "summary.json") or {}
+    summary = load_json(args.results / "summary.json") or {}
     rows = grade(args.results, summary.get("pytest_gpu"))
     print(json.dumps(rows, indent=1) if args.json else "\n".join(markdown(rows)))
     return 0

@@ -78,6 +78,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_targets  # noqa: E402
+from gpu_targets import load_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -337,13 +338,6 @@ def _written_since(path: Path, t: float) -> bool:
         return False
 
 
-def _load(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def pytest_counts(xml_path: Path) -> dict | None:
     try:
         root = ET.parse(xml_path).getroot()
@@ -382,7 +376,7 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
         )
 
     path = out / f"bench_policy_loss_{dev}.json"
-    data = _load(path)
+    data = load_json(path)
     for r in (data or {}).get("rows", []):
         if r["method"] in ("fastrl", "fastrl-inplace", "liger"):
             case = f"N={r['N']} V={r['V']} {r['dtype']}"
@@ -403,7 +397,7 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
                 path.name,
             )
     path = out / f"bench_rows_in_flight_{dev}.json"
-    data = _load(path)
+    data = load_json(path)
     for r in (data or {}).get("rows", []):
         if r["method"] == "fastrl" and r.get("vs_two_kernel") is not None:  # CUDA only
             case = f"N={r['N']} V={r['V']} {r['dtype']}"
@@ -411,14 +405,14 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
             add("rows-in-flight", case, f"P={r['rows_in_flight']}: ms / two-kernel ms",
                 r.get("vs_two_kernel"), roof, path.name)  # fmt: skip
     path = out / f"bench_fused_linear_{dev}.json"
-    data = _load(path)
+    data = load_json(path)
     for r in (data or {}).get("rows", []):
         if r["method"] in ("fastrl-fused-linear", "linear_logprobs+grpo", "liger-fused-linear"):
             case = f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}"
             add("fused-linear", case, f"{r['method']} x GEMM floor", r.get("x_gemm_floor"), "n/a",
                 path.name)  # fmt: skip
     path = out / f"bench_packed_{dev}.json"
-    data = _load(path)
+    data = load_json(path)
     packed_rows = (data or {}).get("rows", [])
     oom = {(r["method"], r["dtype"]) for r in packed_rows if r.get("oom")}
     for r in packed_rows:
@@ -439,7 +433,7 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
             add("packed", case, f"{r['method']} / {padded} peak memory{why}",
                 r.get("memory_packed_vs_padded"), "n/a", path.name)  # fmt: skip
     path = out / f"bench_vocab_parallel_{dev}.json"
-    data = _load(path)
+    data = load_json(path)
     parallel = [r for r in (data or {}).get("rows", []) if r["method"] == "vocab-parallel"]
     for r in parallel:
         case = f"{r['op']}: N={r['N']} H={r['H']} V={r['V']} {r['dtype']}"
@@ -463,7 +457,7 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
         ("sample", "bench_sample", "fastrl.sample", "speedup_vs_baseline"),
     ]:
         path = out / f"{stem}_{dev}.json"
-        data = _load(path)
+        data = load_json(path)
         for r in (data or {}).get("rows", []):
             if r["method"] == method:
                 case = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r)
@@ -472,7 +466,7 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
                 roof = f"{pct:.1f}%" if pct is not None else "n/a"
                 add(bench, case, f"{method} vs {base}", r.get(key), roof, path.name)
     path = out / f"bench_trl_step_{dev}.json"
-    data = _load(path)
+    data = load_json(path)
     for r in (data or {}).get("rows", []):
         if r.get("role") == "fastrl":
             cfg = data["meta"].get("config", {})
@@ -490,9 +484,9 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
 def baseline_report(out: Path, cuda: bool, missing: dict[str, str | None]) -> dict[str, str]:
     """Which optional baselines ran (a row in the results) or were skipped, and why."""
     dev = "cuda" if cuda else "cpu"
-    pl = _load(out / f"bench_policy_loss_{dev}.json") or {}
-    fl = _load(out / f"bench_fused_linear_{dev}.json") or {}
-    pk = _load(out / f"bench_packed_{dev}.json") or {}
+    pl = load_json(out / f"bench_policy_loss_{dev}.json") or {}
+    fl = load_json(out / f"bench_fused_linear_{dev}.json") or {}
+    pk = load_json(out / f"bench_packed_{dev}.json") or {}
     pl_rows = {r["method"] for r in pl.get("rows", [])}
     fl_rows = {r["method"] for r in fl.get("rows", [])}
     pk_rows = {r["method"] for r in pk.get("rows", [])}
@@ -530,7 +524,7 @@ def baseline_report(out: Path, cuda: bool, missing: dict[str, str | None]) -> di
 def results_files(out: Path) -> list[dict]:
     files = []
     for path in sorted(out.glob("bench_*.json")):
-        data = _load(path)
+        data = load_json(path)
         if not isinstance(data, dict) or "meta" not in data:
             continue
         meta = data["meta"]
@@ -602,7 +596,7 @@ def summarize(args, stages, cuda, gpu, missing, started, since, total_s) -> dict
                 ],
             )
         )
-    cc = _load(out / "compile_check.json")
+    cc = load_json(out / "compile_check.json")
     if isinstance(cc, dict) and "ok" in cc and by_name["compile-check"]["status"] != "skipped":
         summary["compile_check"] = {
             k: cc.get(k)
@@ -794,7 +788,7 @@ def merge(args) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     parts = []
     for d in map(Path, args.merge):
-        summary = _load(d / "summary.json")
+        summary = load_json(d / "summary.json")
         if not isinstance(summary, dict) or "stages" not in summary:
             raise SystemExit(f"--merge: {d} holds no summary.json of run_all")
         parts.append((d.resolve(), summary))
