@@ -20,7 +20,9 @@ a token) / median time, pct_bw = GBs against the device's peak bandwidth (known 
 copy bandwidth measured with the same threads (in the JSON meta), peak memory of one call above
 the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
 benchmarks/_common.py; CUDA: max_memory_allocated). On CPU both methods use --threads torch
-threads (default: all cores; pass 1 when the machine is shared with other jobs).
+threads (default: all cores). Its vectorised CPU scan runs intra-op parallel ops: with another
+process on one of the cores each op waits for the slowest thread (--busy 1 measures it; pass
+--threads 1 on a shared machine).
 Results: <out>/bench_gae_<device>.{json,csv,png} (--out, default benchmarks/results/).
 """
 
@@ -38,6 +40,7 @@ import torch  # noqa: E402
 from _common import (  # noqa: E402
     add_out_arg,
     add_traffic,
+    busy_processes,
     cpu_rates,
     device_info,
     measure_peaks,
@@ -125,6 +128,13 @@ def main() -> None:
     )
     p.add_argument("--skip-loop", action="store_true", help="time only fastrl.gae")
     p.add_argument("--no-verl", action="store_true", help="leave out verl's own function")
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="time with this many other processes each keeping one core busy (a pure-Python "
+        "loop), as on a shared machine; results go to bench_gae_<device>_busy<K>.*",
+    )
     add_out_arg(p, "bench_gae")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -156,7 +166,8 @@ def main() -> None:
     loop_reps = (args.rep or 500) if cuda else args.loop_rep
     reps = {"python-loop": loop_reps, "verl": loop_reps}
     reps["fastrl.gae"] = args.rep or (100 if cuda else 10)
-    rows = time_rows(calls, reps, args.device, peaks, B=args.B, T=args.T)
+    with busy_processes(args.busy):
+        rows = time_rows(calls, reps, args.device, peaks, B=args.B, T=args.T)
     base = next((row["median_ms"] for row in rows if row["method"] == "python-loop"), None)
     for row in rows:
         row["speedup_vs_loop"] = round(base / row["median_ms"], 2) if base else None
@@ -169,6 +180,7 @@ def main() -> None:
     )
     meta.update(
         machine_rates=rates or None,
+        busy_processes=args.busy,
         torch_threads=torch.get_num_threads(),
         gamma=1.0,
         lam=0.95,
@@ -179,7 +191,7 @@ def main() -> None:
         notes=notes,
     )
     paths = save_bars(
-        f"bench_gae_{torch.device(args.device).type}",
+        f"bench_gae_{torch.device(args.device).type}" + (f"_busy{args.busy}" if args.busy else ""),
         rows,
         meta,
         args.out,

@@ -69,16 +69,9 @@ def _policy_loss(data: dict) -> list[str]:
             f"{rates['exp_per_s'] / 1e9:.2f} G/s ({rates.get('rates_threads')} threads); the "
             "exp floor is one exp per logit, N * V / exp rate."
         )
-    busy = meta.get("busy_processes") or 0
-    load = (
-        f"**With {busy} other process(es) each keeping a core busy** (a pure-Python loop), as "
-        "on a shared machine. "
-        if busy
-        else ""
-    )
     intro = (
-        load + "**Policy loss on logits, forward + backward** (GRPO: clip 0.2 / 0.2, k3 KL "
-        "with beta 0.04, seq-mean-token-mean). Speed-ups and memory ratios are against "
+        _busy_lead(meta) + "**Policy loss on logits, forward + backward** (GRPO: clip 0.2 / 0.2, "
+        "k3 KL with beta 0.04, seq-mean-token-mean). Speed-ups and memory ratios are against "
         "`trl-eager`, what TRL's GRPOTrainer runs on logits (`selective_log_softmax` + the "
         "entropy metric + its per-token math); `reference (oracle)` is fastrl's readable "
         f"oracle, shown for context only. {_machine(meta)}.{measured}"
@@ -237,6 +230,17 @@ def _fused_linear_legacy(data: dict) -> list[str]:
     return _table(intro, columns, cells)
 
 
+def _busy_lead(meta: dict) -> str:
+    """The lead of a table timed with other processes busy (`--busy K`), else ""."""
+    busy = meta.get("busy_processes") or 0
+    return (
+        f"**With {busy} other process(es) each keeping a core busy** (a pure-Python loop), as "
+        "on a shared machine. "
+        if busy
+        else ""
+    )
+
+
 def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     """One row per method: shape, median time, speed-up (`speed_key`), peak memory, and, where
     the rows carry them (the sampler, GAE), GB/s of their floor traffic and % of the bandwidth."""
@@ -255,7 +259,9 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     ]
     columns = ["method", "shape", "median ms (q20 - q80)", "speed-up"]
     columns += [f"GB/s ({_bandwidth(meta)})"] if traffic else []
-    return _table(f"**{title}**; {_machine(meta)}", [*columns, "peak MB"], cells)
+    threads = f", {meta['torch_threads']} torch thread(s)" if meta.get("torch_threads") else ""
+    intro = f"{_busy_lead(meta)}**{title}**; {_machine(meta)}{threads}"
+    return _table(intro, [*columns, "peak MB"], cells)
 
 
 def _bandwidth(meta: dict) -> str:
@@ -366,7 +372,12 @@ _LIBRARY = [":(glob)fastrl/*.py", ":(glob)kernels/*.py"]
 MEASURES = {
     "bench_policy_loss": [*_LIBRARY, "benchmarks/bench_policy_loss.py"],
     "bench_fused_linear": [*_LIBRARY, "benchmarks/bench_fused_linear.py"],
-    "bench_gae": ["fastrl/advantages.py", "kernels/gae.py", "benchmarks/bench_gae.py"],
+    "bench_gae": [
+        "fastrl/advantages.py",
+        "fastrl/gae.py",
+        "kernels/gae.py",
+        "benchmarks/bench_gae.py",
+    ],
     "bench_sample": ["fastrl/sampling.py", ":(glob)kernels/s*.py", "benchmarks/bench_sample.py"],
     "train_summary": ["fastrl", "kernels", "benchmarks/bench_train.py"],
     # the trainers it runs (a change to the harness's reporting or its ablation list leaves the
