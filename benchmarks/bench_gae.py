@@ -20,9 +20,9 @@ a token) / median time, pct_bw = GBs against the device's peak bandwidth (known 
 copy bandwidth measured with the same threads (in the JSON meta), peak memory of one call above
 the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
 benchmarks/_common.py; CUDA: max_memory_allocated). On CPU both methods use --threads torch
-threads (default: all cores). Its vectorised CPU scan runs intra-op parallel ops: with another
-process on one of the cores each op waits for the slowest thread (--busy 1 measures it; pass
---threads 1 on a shared machine).
+threads (default: all cores); fastrl's scan runs whole chunks of rows on that many
+single-threaded workers (no intra-op barrier per op, so another process on one core slows it
+only by that core's share: --busy 1 measures it).
 Results: <out>/bench_gae_<device>.{json,csv,png} (--out, default benchmarks/results/).
 """
 

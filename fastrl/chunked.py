@@ -99,15 +99,22 @@ def chunk_step(N: int, V: int, device: torch.device) -> int:
 
 
 def for_chunks(N: int, V: int, device: torch.device, body) -> None:
-    """body(r0, r1, work) for the row chunks [r0, r1) of 0..N, each with a `_Work` of its
-    thread: in the calling thread, or spread over worker threads that run their torch ops
-    single-threaded and pull chunks from a shared queue (see the note above). Exceptions
-    propagate."""
+    """body(r0, r1, work) for the row chunks [r0, r1) of 0..N of (N, V) logits, `chunk_step`
+    rows each, each with a `_Work` of its thread (see `run_chunks`)."""
     step = chunk_step(N, V, device)
+    run_chunks(N, step, device, body, lambda: _Work(min(step, N), V, device))
+
+
+def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: None) -> None:
+    """body(r0, r1, work) for the chunks [r0, r1) of 0..N, `step` rows each, `work` =
+    make_work() once per thread: in the calling thread, or spread over worker threads that run
+    their torch ops single-threaded and pull chunks from a shared queue (see the note above).
+    Chunks run in any order and at once: a body writes only its own rows. Exceptions
+    propagate."""
     starts = list(range(0, N, step))
     threads = min(_threads(device), len(starts))
     if threads <= 1:
-        work = _Work(min(step, N), V, device)
+        work = make_work()
         for r0 in starts:
             body(r0, min(N, r0 + step), work)
         return
@@ -120,7 +127,7 @@ def for_chunks(N: int, V: int, device: torch.device, body) -> None:
 
     def worker():
         torch.set_num_threads(1)  # this thread's ops: no intra-op barriers
-        work = _Work(min(step, N), V, device)
+        work = make_work()
         with torch._C._ForceDispatchKeyGuard(include, exclude), torch.set_grad_enabled(grad_mode):
             while True:
                 with lock:

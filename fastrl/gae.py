@@ -1,8 +1,9 @@
-"""Generalized advantage estimation (SPEC 8): verl's masked GAE, vectorised.
+"""Generalized advantage estimation (SPEC 7): verl's masked GAE, vectorised.
 
 CUDA tensors (or FASTRL_BACKEND=triton) use the Triton reverse scan of `fastrl.kernels.gae`; CPU
 tensors use a blocked closed-form scan in float64 (no per-step Python loop, no host sync on the
-tensors' values). Equals `fastrl.reference.gae` up to floating-point rounding.
+tensors' values), chunks of rows on single-threaded workers (`fastrl.chunked.run_chunks`).
+Equals `fastrl.reference.gae` up to floating-point rounding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor
 from ._inputs import check_float, check_mask
 from .advantages import WHITEN_EPS, _check_finite
 from .advantages import whiten as _whiten  # `gae` has an argument named `whiten`
+from .chunked import run_chunks
 from .ops import backend_for
 
 
@@ -73,9 +75,10 @@ def _gae_torch(
          A_j = Σ_{i <= J} c^i δ_{j+i} with c^J < 1e-18 (a few shifted adds);
       3. gather back: A_t = A_compact[b, #counted before t].
     The scan runs in float64 and L is chosen so that c^-L <= 1e4 (cancellation error ~1e-12 of
-    the block's |δ|). Chunks keep the temporaries small; the whitening statistics are collected
-    per chunk in float64 (count, mean and Σ (A - mean)² over the compact rows, merged across
-    chunks with Chan's formula). Uncounted tokens go to a shadow copy that is never read, so a
+    the block's |δ|). Chunks keep the temporaries small and run on single-threaded workers (the
+    CPU's threads; any order, bitwise the same result); the whitening statistics are collected
+    per chunk in float64 (count, mean and Σ (A - mean)² over the compact rows, merged in chunk
+    order with Chan's formula). Uncounted tokens go to a shadow copy that is never read, so a
     NaN there reaches neither A nor the whitening. No host sync.
     Returns (advantages, returns) fp32 (B, T): advantages whitened over counted tokens (`whiten`,
     SPEC 7) when `whiten`, returns = unwhitened A + V."""
@@ -98,12 +101,10 @@ def _gae_torch(
     J = math.ceil(math.log(1e-18) / math.log(c)) if 0 < c < 0.2 else 0
     out = torch.empty(B, T, dtype=torch.float32, device=dev)
     returns = torch.empty(B, T, dtype=torch.float32, device=dev)
-    count = torch.zeros((), dtype=torch.float64, device=dev)
-    mean = torch.zeros((), dtype=torch.float64, device=dev)
-    m2 = torch.zeros((), dtype=torch.float64, device=dev)
     slots = torch.arange(W, device=dev)
-    for s in range(0, B, rows_per_chunk):
-        e = min(B, s + rows_per_chunk)
+    stats: list = [None] * -(-B // rows_per_chunk)  # per chunk: (count, mean, M2) of its A
+
+    def chunk(s: int, e: int, _work) -> None:
         n = e - s
         mc = mask[s:e] if mask.dtype == torch.bool else mask[s:e] != 0  # (n, T)
         # 1. compact each row's counted tokens to the front of its row of W entries
@@ -134,13 +135,26 @@ def _gae_torch(
         torch.add(a, v, out=returns[s:e])
         if whiten:
             # this chunk's count / mean / M2 over counted tokens, from the compact rows (entry j
-            # of row b is counted token j), merged into the running total (Chan et al.). M2 is
-            # summed from centred values: no Σa² - n·mean² cancellation at large offsets.
+            # of row b is counted token j). M2 is summed from centred values: no Σa² - n·mean²
+            # cancellation at large offsets.
             per_row = mc.sum(1, dtype=torch.float64)  # (n,)
             n_c = per_row.sum()
             mean_c = adv.sum() / n_c.clamp(min=1)  # the compact rows are 0 past their tokens
             centred = torch.where(slots < per_row[:, None], adv.view(n, W) - mean_c, 0.0)
-            m2_c = torch.dot(centred.view(-1), centred.view(-1))
+            stats[s // rows_per_chunk] = (
+                n_c,
+                mean_c,
+                torch.dot(centred.view(-1), centred.view(-1)),
+            )
+
+    # whole chunks on single-threaded workers (chunked.run_chunks: no intra-op barrier per op);
+    # each row's result does not depend on the thread or on the other rows of its chunk
+    run_chunks(B, rows_per_chunk, dev, chunk)
+    if whiten:  # the chunks' statistics merged in chunk order (Chan et al.): thread-independent
+        count = torch.zeros((), dtype=torch.float64, device=dev)
+        mean = torch.zeros((), dtype=torch.float64, device=dev)
+        m2 = torch.zeros((), dtype=torch.float64, device=dev)
+        for n_c, mean_c, m2_c in stats:
             total = count + n_c
             d = mean_c - mean
             mean = mean + d * n_c / total.clamp(min=1)

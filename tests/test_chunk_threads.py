@@ -45,3 +45,34 @@ def test_threads_are_bitwise_equal_to_one_thread(monkeypatch, config):
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lam", [0.95, 0.1])  # the blockwise closed form and the truncated sum
+def test_gae_threads_are_bitwise_equal_to_one_thread(monkeypatch, lam):
+    """The CPU GAE scan runs its row chunks on the same workers: the advantages, returns and
+    the whitening (statistics merged in chunk order) do not depend on the thread count."""
+    from fastrl.gae import _gae_torch
+    from fastrl.reference import gae as reference_gae
+
+    g = torch.Generator().manual_seed(1)
+    B, T = 23, 301
+    rewards, values = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]) & (torch.rand(B, T, generator=g) > 0.1)
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            monkeypatch.setenv("FASTRL_CPU_THREADS", str(n))
+            torch.set_num_threads(n)
+            runs.append(_gae_torch(rewards, values, mask, 1.0, lam, True, rows_per_chunk=3))
+            assert torch.get_num_threads() == n  # the caller's setting survives the workers
+    finally:
+        torch.set_num_threads(threads)
+    (a1, r1), (a2, r2) = runs
+    assert torch.equal(a1, a2) and torch.equal(r1, r2)
+    ref_adv, ref_ret = reference_gae(rewards, values, mask.float(), 1.0, lam, False)
+    torch.testing.assert_close(r1, ref_ret, rtol=1e-5, atol=1e-4)
+    counted = ref_adv[mask]
+    whitened = (counted - counted.mean()) / torch.sqrt(counted.var() + 1e-8)
+    torch.testing.assert_close(a1[mask], whitened, rtol=1e-4, atol=1e-4)
