@@ -150,9 +150,10 @@ def group_advantages(
     SPEC's leave-one-out baseline (`scale=None` means `"none"`; `"group"` / `"batch"` divide as
     for grpo). reinforce++: R - μ_g, whitened over the batch's tokens of `mask` (B, T) when given
     -> (B, T), else over the B responses -> (B,); `scale` must be None (an all-zero `mask` gives
-    zeros, see `whiten`). Groups of one and groups whose rewards are all equal give exactly 0.
-    Computed in float64, scale-safe (σ from values divided by their group's max |R - μ_g| before
-    squaring: ±1e200 in fp64 works). Returns fp32.
+    zeros, see `whiten`). `mask` is read only by reinforce++ (a ValueError for grpo / rloo, which
+    would ignore it); `eps` >= 0. Groups of one and groups whose rewards are all equal give
+    exactly 0. Computed in float64, scale-safe (σ from values divided by their group's max
+    |R - μ_g| before squaring: ±1e200 in fp64 works). Returns fp32.
 
     Packed sequences: with `cu_seqlens` (B + 1,) (the B responses laid end to end as N rows, see
     fastrl.packing) the result is per row, (N,): each response's advantage repeated over its
@@ -178,6 +179,14 @@ def group_advantages(
         )
     elif scale not in _SCALES:
         raise ValueError(f"scale={scale!r}; expected one of {_SCALES}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite number >= 0 (added to σ), got {eps!r}")
+    if mask is not None and estimator != "reinforce++":
+        raise ValueError(
+            f"mask is read only by estimator='reinforce++' (its token whitening); "
+            f"estimator={estimator!r} gives one advantage per response (B,) from the rewards "
+            "alone: leave mask=None"
+        )
     if check:
         _check_finite("rewards", rewards)
     idx, G = _group_index(rewards, group_size, group_ids)
@@ -227,7 +236,7 @@ def _packed_group_advantages(rewards, cu_seqlens, mask, **kw) -> Tensor:
             f"rewards must have shape ({pack.num_seqs},) (one per packed sequence of "
             f"cu_seqlens), got {describe(rewards)}"
         )
-    if kw["estimator"] != "reinforce++" or mask is None:
+    if kw["estimator"] != "reinforce++" or mask is None:  # (mask gave N only)
         return pack.per_row(group_advantages(rewards, **kw))
     m = check_mask("mask", mask, (N,), rewards.device)
     padded = group_advantages(rewards, mask=pack.pad(m), **kw)  # (B, T_max)

@@ -369,6 +369,14 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
     if h is not None:
         d_y = d_y - h * p_y * (logp + entropy)
     d_y = d_y * inv_temp
+    # rows with g = h = 0 (uncounted tokens) have a zero gradient, even when their logits hold a
+    # NaN / inf (e = NaN there, and 0 * NaN = NaN); found with one host sync on the CPU, masked
+    # on every sub-block elsewhere (no sync)
+    zero = (g == 0) & torch.isnan(log_s)
+    if h is not None:
+        zero &= h == 0
+    if e.device.type == "cpu" and not bool(zero.any()):
+        zero = None
     for a in range(0, R, work.S):
         b = min(R, a + work.S)
         eb = e[a:b]
@@ -380,6 +388,8 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
         at = (torch.arange(b - a, device=e.device), y_safe[a:b])
         # an out-of-range token (its logp is NaN) has no entry at y: its row stays p (a log p + c)
         eb[at] = torch.where(y_ok[a:b], d_y[a:b], eb[at])
+        if zero is not None:
+            eb.masked_fill_(zero[a:b, None], 0.0)
         if dst is not None and dst.data_ptr() != e.data_ptr():
             dst[a:b].copy_(eb)
     return e

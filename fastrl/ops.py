@@ -291,7 +291,13 @@ def token_grads(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else ()
     g = grads[0] if grads and grads[0] is not None else torch.zeros_like(lp)
     h = grads[1] if len(grads) > 1 and grads[1] is not None else None
-    return g.detach(), None if h is None else h.detach()
+    # Uncounted tokens get g = h = 0 exactly (autograd can leave 0 · NaN = NaN there when their
+    # logp is NaN), and a backend writes such a row's gradient as zeros. A counted token whose
+    # logp is NaN (a NaN / +inf logit in its row) gets g = NaN, so that its row's gradient is NaN
+    # on every backend (autograd through a clamp, whose backward is 0 at NaN, could give g = 0).
+    counted = x.mask > 0
+    g = torch.where(counted, torch.where(torch.isnan(lp.detach()), float("nan"), g.detach()), 0.0)
+    return g, None if h is None else torch.where(counted, h.detach(), 0.0)
 
 
 _AUTOGRAD_KEYS = tuple(

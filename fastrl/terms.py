@@ -65,13 +65,14 @@ def masked_sum(x: Tensor, mask: Tensor, dim=None, keepdim: bool = False) -> Tens
 
 
 def _positive_count(count: Tensor | float, device) -> Tensor | float:
-    """A caller's count: a tensor becomes fp32 on `device`, NaN where it is not > 0 (a bad
-    tensor count gives a NaN loss, never a finite wrong one, without a host sync); a Python
-    number is returned as is (LossConfig has checked it)."""
+    """A caller's count: a tensor becomes fp32 on `device`, NaN where it is not a finite number
+    > 0 (a bad tensor count, inf included, gives a NaN loss, never a finite wrong one such as
+    the 0 of x / inf, without a host sync); a Python number is returned as is (LossConfig has
+    checked it)."""
     if not isinstance(count, Tensor):
         return count
     count = count.to(device=device, dtype=torch.float32).reshape(())
-    return torch.where(count > 0, count, float("nan"))
+    return torch.where(torch.isfinite(count) & (count > 0), count, float("nan"))
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
@@ -103,10 +104,12 @@ def aggregate(
     """One scalar from per-token losses L (B, T) and mask m (B, T) (SPEC 5).
 
     What the mask excludes never reaches the result (a NaN at m = 0 included). An empty batch
-    gives 0. A caller's tensor count that is not > 0 gives NaN (never a finite wrong loss)."""
+    (B = 0 or T = 0) gives 0 under every aggregation. A caller's tensor count that is not a
+    finite number > 0 gives NaN (never a finite wrong loss)."""
     B, T = loss_mat.shape
     seq_lengths = mask.sum(-1)  # |y_i|
-    num_seqs = B if num_seqs is None else _positive_count(num_seqs, mask.device)
+    # B = 0: the sums below are 0, and 0 / 1 keeps the loss 0 (not 0 / 0)
+    num_seqs = max(B, 1) if num_seqs is None else _positive_count(num_seqs, mask.device)
     total = masked_sum(loss_mat, mask)
     if agg == "token-mean":
         local_tokens = mask.sum()
@@ -121,7 +124,7 @@ def aggregate(
     if agg == "seq-mean-token-sum":
         return total / num_seqs
     if agg == "seq-mean-token-sum-norm":
-        max_len = T if max_len is None else max_len
+        max_len = max(T, 1) if max_len is None else max_len
         return total / (num_seqs * max_len)
     if agg == "token-sum":  # verl's token-sum: no normaliser
         return total

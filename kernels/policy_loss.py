@@ -465,6 +465,10 @@ def _policy_loss_fwd_kernel(
             logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
             clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
         )  # fmt: skip
+        # an uncounted token (c = 0): g = 0 exactly, even where its logp is NaN (0 · NaN); a
+        # counted one with a NaN logp (a NaN / +inf logit in its row): g = NaN, so its row's
+        # gradient is NaN (a clamp's derivative would give g = 0, and g = h = 0 writes zeros)
+        g = tl.where(c != 0.0, tl.where(logp != logp, float("nan"), g), 0.0)
         h = -c * entropy_coef
         y = tl.load(tokens_ptr + row).to(tl.int64)
         out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)

@@ -276,6 +276,11 @@ def test_reinforce_pp_with_token_mask():
         (dict(group_size=3, scale="std"), "scale"),
         (dict(group_size=3, estimator="ppo"), "estimator"),
         (dict(group_size=3, estimator="reinforce++", mask=torch.ones(5, 2)), "mask"),
+        (dict(group_size=3, mask=torch.ones(6, 2)), "mask"),  # grpo would ignore it
+        (dict(group_size=3, estimator="rloo", mask=torch.ones(7, 3)), "mask"),
+        (dict(group_size=3, eps=-1.0), "eps"),  # would flip the advantages' sign
+        (dict(group_size=3, eps=math.nan), "eps"),
+        (dict(group_size=3, eps=math.inf), "eps"),
     ],
 )
 def test_group_advantages_bad_input(kwargs, match):

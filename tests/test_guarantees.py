@@ -128,14 +128,31 @@ def test_inplace_then_reading_the_logits_is_caught_by_autograd():
 # ---------------------------------------------------------------------- 4. counts and masks
 @pytest.mark.parametrize("bad", [0.0, -6.0, float("nan"), float("inf")])
 def test_tensor_counts_never_give_a_finite_wrong_loss(bad):
+    """A tensor count that is not a finite number > 0 gives a NaN loss: an inf count too (x / inf
+    would be a finite wrong 0, with a zero gradient); a Python one raises."""
     b = batch()
     for key, agg in (("num_tokens", "token-mean"), ("num_seqs", "seq-mean-token-mean")):
         out = fastrl.policy_loss(**b, agg=agg, **{key: torch.tensor(bad)})
-        ref = R.policy_loss(**b, agg=agg, **{key: torch.tensor(bad)})
-        assert not torch.isfinite(out.loss) or bad == float("inf") and out.loss == 0, (key, bad)
-        assert torch.equal(torch.isnan(out.loss), torch.isnan(ref.loss))
+        assert torch.isnan(out.loss), (key, bad)
+        value, _ = fastrl.value_loss(b["old_logp"], b["ref_logp"], b["ref_logp"], b["mask"],
+                                     agg=agg, **{key: torch.tensor(bad)})  # fmt: skip
+        assert torch.isnan(value), (key, bad)
         with pytest.raises(ValueError, match=key):
             fastrl.policy_loss(**b, agg=agg, **{key: bad})
+
+
+@pytest.mark.parametrize("agg", fastrl.config.AGGS)
+def test_empty_batch_gives_zero_under_every_aggregation(agg):
+    """B = 0 (e.g. a micro-batch that dynamic sampling emptied): loss 0, never 0 / 0."""
+    b = {k: v[:0] for k, v in batch().items()}
+    out, grad = grad_of(fastrl.policy_loss, b.pop("logits"), **b, agg=agg)
+    assert out.loss == 0 and grad.shape == (0, 4, 11)
+    for k, v in out.metrics.items():
+        assert torch.isfinite(v), k
+    v = torch.zeros(0, 4, requires_grad=True)
+    loss, _ = fastrl.value_loss(v, v.detach(), v.detach(), torch.ones(0, 4), agg=agg)
+    loss.backward()
+    assert loss == 0 and v.grad.shape == (0, 4)
 
 
 def test_masks_with_negative_or_nan_weights_raise():
@@ -171,6 +188,37 @@ def test_masked_nan_never_reaches_loss_or_gradient(engine, preset):
     torch.testing.assert_close(got, want)
     for k, v in out.metrics.items():
         assert torch.isfinite(v), k
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("preset", ["grpo", "gspo", "dapo"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nan_logits_reach_the_gradient_of_counted_rows_only(engine, preset, poison):
+    """A NaN / +inf logit in a masked row leaves the loss and the whole gradient as without it
+    (that row's gradient 0, on every backend); in a counted row it makes the loss and that row's
+    gradient NaN (also where the clip zeroes dloss/dlogp: the Triton kernel used to write the
+    row as zeros)."""
+    device, _ = engine
+    b = batch(B=3, device=device)
+    logits = b.pop("logits")
+    b["mask"][:, 0] = True
+    b["mask"][:, 1] = False
+    dirty = logits.clone()
+    dirty[:, 1, 3] = poison  # masked rows
+    kw = dict(config=preset, entropy_coef=0.0 if preset == "dapo" else 0.01)
+    out, got = grad_of(fastrl.policy_loss, dirty, **b, **kw)
+    want_out, want = grad_of(fastrl.policy_loss, logits, **b, **kw)
+    assert torch.isfinite(got).all() and not got[:, 1].any()
+    torch.testing.assert_close(out.loss, want_out.loss)
+    torch.testing.assert_close(got, want)
+    empty = dict(b, mask=torch.zeros_like(b["mask"]))
+    out, got = grad_of(fastrl.policy_loss, dirty, **empty, **kw)
+    assert out.loss == 0 and not got.any()
+    # a counted row (without an entropy term, the old Triton kernel's clamp gave g = h = 0)
+    dirty[0, 0, 2] = poison
+    out, got = grad_of(fastrl.policy_loss, dirty, **b, **kw)
+    assert torch.isnan(out.loss)
+    assert torch.isnan(got[0, 0]).all()
 
 
 # ---------------------------------------------------------------------- 7. clear errors
