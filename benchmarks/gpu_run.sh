@@ -13,7 +13,7 @@
 #                                    wheel (pytest, the benchmarks and their subprocesses)
 #   FASTRL_GIT_COMMIT=<.whl/COMMIT>  the commit the results files record (there is no .git)
 #   PYTHONUNBUFFERED=1               the log is written as it goes, also when the call is killed
-# A call may run 600 s at most: split the stages over calls (README "The GPU run"), then merge
+# A call may run 600 s at most: split the stages over calls (README "On a lent GPU machine"), then merge
 # their folders here with `python benchmarks/run_all.py --merge DIR... --out benchmarks/results`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
