@@ -93,6 +93,35 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path, capsys):
     assert "not a causal LM" in capsys.readouterr().err
 
 
+def test_model_with_a_missing_or_too_large_tokenizer(tmp_path, capsys):
+    """A model saved without its tokenizer (transformers would build an empty one from
+    config.json) and one whose tokenizer has more tokens than its embedding rows: exit 2
+    naming the problem, not an IndexError in the first forward."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastrl.train.rollout import default_tokenizer
+
+    d = tmp_path / "small"
+    config = Qwen2Config(
+        vocab_size=20,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(d)
+    args = ["train", "--model", str(d), "--out", str(tmp_path / "o"), *TINY]
+    assert main(args) == 2
+    assert "has no tokenizer files" in capsys.readouterr().err
+    default_tokenizer().save_pretrained(d)  # 52 tokens for 20 embedding rows
+    assert main(args) == 2
+    assert "its tokenizer has 52 tokens but the model's embedding only 20 rows" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
 def test_malformed_jsonl_names_the_line(tmp_path, capsys):
     f = tmp_path / "task.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')

@@ -203,6 +203,9 @@ def test_reward_failures_are_shown_counted_and_never_reach_the_loss(reward_modul
         ["i", "n", "h", "x", 0.5], ["", "", "", "", ""]
     )
     assert res.rewards == [0.0, 0.0, 0.0, 0.0, 0.5] and res.invalid == 4 and res.raised == 0
+    # a numeric string is not a number (float("1") would parse it); a bool is 0 / 1
+    res = RewardScorer(lambda c, a: {"s": "1", "b": b"1", "t": True}[c])(["s", "b", "t"], [""] * 3)
+    assert res.rewards == [0.0, 0.0, 1.0] and res.invalid == 2
 
 
 HANGING = """

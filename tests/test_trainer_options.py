@@ -213,11 +213,34 @@ def test_adam_betas_reach_the_optimizer(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("loss_agg", "sum"), ("adam_beta2", 1.0), ("adam_beta1", -0.1)]
-)
-def test_bad_optimizer_and_aggregation_options(field, value):
-    with pytest.raises(ValueError, match="--" + field.replace("_", "-")):
-        TrainConfig(**{field: value}).validate()
+    "field,value,extra",
+    [("loss_agg", "sum", {}), ("adam_beta2", 1.0, {}), ("adam_beta1", -0.1, {}),
+     # used to fail late (after the warm-up) or name another option
+     ("value_clip", -1.0, {}), ("value_clip", math.nan, {}), ("kl_coef", math.nan, {}),
+     ("kl_coef", math.inf, {}), ("lam", 2.0, {}), ("lam", math.nan, {}), ("seed", -1, {}),
+     ("temperature", 1e-45, {}), ("model_hidden", 0, {}), ("model_hidden", 30, {}),
+     ("model_layers", 0, {})],
+)  # fmt: skip
+def test_bad_options_are_refused_up_front_naming_them(field, value, extra):
+    with pytest.raises(ValueError, match="--" + field.replace("_", "-") + "="):
+        TrainConfig(**{field: value}, **extra).validate()
+
+
+def test_resume_with_more_steps_follows_the_new_schedule(tmp_path):
+    """--steps may grow on --resume: the first resumed step takes the new schedule's lr (it
+    used to take the checkpoint's, the old schedule's: 0 at its end)."""
+    kw = dict(save_every=2, num_threads=1, warmup_steps=0, lr_schedule="linear")
+    Trainer(tiny(tmp_path / "full", steps=4, **kw), log=quiet).train()
+    Trainer(tiny(tmp_path / "part", steps=2, **kw), log=quiet).train()
+    out = str(tmp_path / "part")
+    Trainer(tiny(out, steps=4, resume=out, **kw), log=quiet).train()
+
+    def lrs(run):
+        return {r["step"]: r["lr"] for r in read_metrics(f"{run}/metrics.jsonl") if "lr" in r}
+
+    full, resumed = lrs(tmp_path / "full"), lrs(out)
+    assert resumed[3] == pytest.approx(full[3]) and resumed[3] > 0
+    assert resumed[4] == pytest.approx(full[4])
 
 
 def test_lr_schedules():

@@ -328,7 +328,13 @@ def test_out_holding_a_run_is_refused_before_the_model_loads(tmp_path, capsys, n
     (out / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy": 0.0}\n')
     rc, _, err = run_cli(capsys, "--out", str(out), "--steps", "1", *TINY)
     assert rc == 2
-    assert f"--out '{out}' already holds a run (metrics.jsonl)" in err and "--resume" in err
+    # no checkpoint: nothing to resume, so --resume is not what the message suggests
+    assert f"--out '{out}' already holds a run that stopped before its first checkpoint" in err
+    assert "--force" in err and "--resume " not in err
+    (out / "checkpoints" / "step-000001").mkdir(parents=True)
+    rc, _, err = run_cli(capsys, "--out", str(out), "--steps", "1", *TINY)
+    assert rc == 2
+    assert f"--out '{out}' already holds a run (metrics.jsonl" in err and "--resume" in err
     assert no_model_load == []  # refused before anything was loaded
     assert (out / "metrics.jsonl").read_text() == '{"step": 0, "eval_accuracy": 0.0}\n'
 

@@ -28,5 +28,7 @@ TINY = cli_args(TINY_FIELDS)  # the same as `fastrl train` flags
 def tiny(out=None, **kw) -> TrainConfig:
     """A TrainConfig of the tiny run (2 steps) writing to `out`, with `kw` overriding."""
     base = dict(TINY_FIELDS, steps=2, **({} if out is None else {"out": str(out)}))
+    if kw.get("model") is not None:  # the embedded model's size does not apply to --model
+        del base["model_hidden"], base["model_layers"]
     base.update(kw)
     return TrainConfig(**base)

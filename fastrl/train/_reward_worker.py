@@ -54,7 +54,9 @@ def call_reward(fn, completion: str, answer: str) -> tuple:
             format_exception(e),
         )
     try:
-        r = float(value)
+        if isinstance(value, (str, bytes, bytearray)):  # float("1") would parse it: not a number
+            raise TypeError
+        r = float(value)  # a number (a bool is 0 / 1), a numpy / one-element torch scalar
     except Exception:
         return "invalid", f"returned {short(value)}, not a number"
     if not math.isfinite(r) or abs(r) > MAX_ABS_REWARD:

@@ -58,6 +58,11 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
     model, tok = load_models()
     if cfg.model is None:
         check_vocabulary(cfg, task, eval_set)
+    elif (cfg.model_hidden, cfg.model_layers) != (64, 2):
+        console.warn(
+            f"warning: --model-hidden {cfg.model_hidden} / --model-layers {cfg.model_layers} "
+            f"size the embedded model only: ignored with --model {cfg.model}"
+        )
     eos = eos_ids(tok, model)
     policy = model.to(device)
     if device.type == "cpu":
@@ -176,14 +181,17 @@ def check_vocabulary(cfg: TrainConfig, task: Task, eval_set: list[Example]) -> N
     tokenizer drops any other (it has no unknown token, as AutoTokenizer reloads it from an
     export), so every line of a .jsonl task and of the eval set is checked, not a sample."""
     lines = task.examples if isinstance(task, JsonlTask) else task.eval_examples(50, cfg.seed)
-    text = "".join(e.prompt + task.target(e) for e in [*lines, *eval_set])
-    missing = sorted(set(text) - set(CHARS))
-    if missing:
-        raise ValueError(
-            f"task {cfg.task!r} uses characters {missing} that the embedded model's "
-            f"tokenizer lacks (it has {CHARS!r}; it would drop them); pass --model with a "
-            "local HF model"
-        )
+    for what, examples in (
+        (f"task {cfg.task!r}", lines),
+        (f"--eval-file {cfg.eval_file!r}", eval_set),
+    ):
+        text = "".join(e.prompt + task.target(e) for e in examples)
+        missing = sorted(set(text) - set(CHARS))
+        if missing:
+            raise ValueError(
+                f"{what} uses characters {missing} that the embedded model's tokenizer lacks "
+                f"(it has {CHARS!r}; it would drop them); pass --model with a local HF model"
+            )
 
 
 def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:

@@ -53,10 +53,11 @@ class TrainConfig:
     """Reward function for the task: a built-in name (exact_match, last_number, bracket_format)
     or `module:function` taking (completion, answer) -> float, where the module is importable
     from the current directory (as with `python -m`) or sys.path. None: the task's own. A call
-    that raises, hangs past --reward-timeout, or returns a non-number, a non-finite number or
-    |r| > 1e6 scores 0 and is counted (the first of each kind is printed with its traceback, and
-    each step with failures prints a warning); SystemExit / KeyboardInterrupt raised by it stop
-    the run with a checkpoint."""
+    that raises, hangs past --reward-timeout, or returns a non-number (a string such as "1"
+    included; a bool counts as 0 / 1), a non-finite number or |r| > 1e6 scores 0 and is
+    counted (the first of each kind is printed with its traceback, and each step with failures
+    prints a warning); SystemExit / KeyboardInterrupt raised by it stop the run with a
+    checkpoint."""
 
     eval_file: str | None = None
     """A .jsonl file of {"prompt", "answer"} lines to evaluate on (held-out data). None: built-in
@@ -270,13 +271,16 @@ class TrainConfig:
     resumed (start a new one with --model OUT/checkpoints/step-N/hf)."""
 
     model_hidden: int = 64
-    """Embedded model only: hidden size."""
+    """Embedded model only (with --model it is ignored, with a warning): hidden size, a
+    multiple of 8 (4 attention heads)."""
 
     model_layers: int = 2
-    """Embedded model only: number of decoder layers."""
+    """Embedded model only (with --model it is ignored, with a warning): number of decoder
+    layers."""
 
     num_threads: int = 0
-    """CPU threads for torch (0: all cores of this process's share)."""
+    """CPU threads for torch (0: automatic: 1 for a model under 10M parameters, whose thread
+    hand-offs cost more than its matmuls, else all cores of this process's share)."""
 
     progress: bool = True
     """Show a tqdm progress bar (reward, KL, entropy)."""
@@ -351,12 +355,22 @@ class TrainConfig:
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or v <= 0:
                 raise bad(name, "a finite number > 0")
-        for name in ("weight_decay", "entropy_coef", "vf_coef", "overlong_factor"):
+        for name in ("weight_decay", "entropy_coef", "vf_coef", "overlong_factor", "value_clip"):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or v < 0:
                 raise bad(name, "a finite number >= 0")
-        if not _is_real(self.temperature) or not self.temperature > 0:
-            raise bad("temperature", "a number > 0")
+        if not _is_real(self.temperature) or not 1e-3 <= self.temperature < math.inf:
+            raise bad("temperature", "a finite number >= 0.001 (lower ones overflow z / τ)")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise bad("seed", "an integer in [0, 2**32 - 1]")
+        if not 0 <= self.seed < 2**32:
+            raise bad("seed", "an integer in [0, 2**32 - 1]")
+        for name in ("model_hidden", "model_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "an integer >= 1")
+        if self.model_hidden % 8:
+            raise bad("model_hidden", "a multiple of 8 (4 attention heads of an even size)")
         if not _is_real(self.reward_timeout) or not 0 <= self.reward_timeout < math.inf:
             raise bad("reward_timeout", "a finite number of seconds >= 0 (0: no limit)")
         if self.save_total_limit is not None and (
@@ -365,8 +379,10 @@ class TrainConfig:
             or self.save_total_limit < 0
         ):
             raise bad("save_total_limit", "None or an integer >= 0 (None / 0: keep every one)")
-        if self.kl_coef is not None and (not _is_real(self.kl_coef) or self.kl_coef < 0):
-            raise bad("kl_coef", "None or a number >= 0")
+        if self.kl_coef is not None and (
+            not _is_real(self.kl_coef) or not 0 <= self.kl_coef < math.inf
+        ):
+            raise bad("kl_coef", "None or a finite number >= 0")
         if self.algo == "dapo" and self.kl_coef:
             raise bad("kl_coef", "None or 0 for dapo (DAPO has no KL term and no reference)")
         if (
@@ -383,8 +399,10 @@ class TrainConfig:
             raise bad("minibatches", "None or an integer >= 1")
         if self.batch_size * self.group_size < self.n_minibatches * self.grad_accum:
             raise bad("minibatches", "minibatches * grad_accum <= batch_size * group_size")
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise bad("gamma", "gamma and lam in [0, 1]")
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            if not _is_real(v) or not 0 <= v <= 1:
+                raise bad(name, "a number in [0, 1]")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -100,6 +100,17 @@ def attn_implementation() -> str:
     return "sdpa"
 
 
+# what AutoTokenizer reads from a model directory (fast, slow sentencepiece / BPE / WordPiece)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
 def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None):
     """(model, tokenizer): the embedded default when `path` is None, else a local HF causal LM
     directory (config.json + weights + tokenizer files). Raises ValueError saying what to fix."""
@@ -125,10 +136,23 @@ def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None
         raise ValueError(
             f"--model {path!r} is not a causal LM that transformers can load: {e}"
         ) from e
+    # without them transformers may build an empty tokenizer from config.json alone
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"--model {path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer beside the model (tokenizer.save_pretrained(path))"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, padding_side="left")
     except (ValueError, OSError) as e:
         raise ValueError(f"--model {path!r} has no usable tokenizer files: {e}") from e
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise ValueError(
+            f"--model {path!r}: its tokenizer has {len(tok)} tokens but the model's embedding "
+            f"only {rows} rows (token ids >= {rows} would index out of range); save the "
+            "tokenizer the model was trained with"
+        )
     if tok.eos_token_id is None:
         eos = config.eos_token_id
         if eos is None:

@@ -50,6 +50,13 @@ def check_out_dir(cfg: TrainConfig) -> None:
     if cfg.force or resumes_in_place(cfg):
         return
     found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    ckpts = os.path.join(out, "checkpoints")
+    if found and not (os.path.isdir(ckpts) and os.listdir(ckpts)):
+        raise ValueError(
+            f"--out {out!r} already holds a run that stopped before its first checkpoint "
+            f"({', '.join(found)}; nothing to --resume); start over there with --force "
+            "(deletes those files) or choose another --out"
+        )
     if found:
         raise ValueError(
             f"--out {out!r} already holds a run ({', '.join(found)}); not overwriting it. "

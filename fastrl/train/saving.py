@@ -148,6 +148,12 @@ def _load(run: Run, state: TrainState, ckpt: str) -> None:
         state.sched.load_state_dict(optim_state["scheduler"])
     except Exception as e:  # a state of another shape: not this run's
         raise ckpt_io.CorruptCheckpoint(path, f"{type(e).__name__}: {e}") from e
+    # the learning rate of the next step from this run's schedule (its --steps may differ from
+    # the checkpoint's: the stored lr is the old schedule's, e.g. 0 at its end)
+    sched = state.sched
+    for group, base, factor in zip(state.opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in state.opt.param_groups]
     for r in range(run.world if run.world > 1 else 0):  # every rank decides alike
         ckpt_io.load_rank_rng(ckpt, r)
     rng = ckpt_io.load_rank_rng(ckpt, run.rank)
