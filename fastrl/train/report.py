@@ -50,6 +50,7 @@ class Console:
         self.log = log if rank == 0 else _silent
         self.prefix = f"[rank {rank}] " if world > 1 else ""
         self.bar = None  # the tqdm bar while training
+        self.last_eval = None  # the latest eval accuracy, shown on the bar (str)
 
     def warn(self, text: str, any_rank: bool = False) -> None:
         log = self.any_rank if any_rank else self.log
@@ -64,19 +65,21 @@ class Console:
     def open_bar(self, total: int, initial: int, title: str) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=initial, desc=title, ncols=110)
+        self.bar = tqdm(total=total, initial=initial, desc=title, dynamic_ncols=True)
 
     def show(self, rec: dict) -> None:
         """Advance the progress bar (if any) by one step, showing `rec`'s main metrics."""
         if self.bar is None:
             return
         self.bar.update(1)
-        post = {"reward": f"{rec['reward_mean']:.3f}"}
-        if "entropy" in rec:  # absent on a step that trained no token
-            post["entropy"] = f"{rec['entropy']:.3f}"
-            post["kl" if "kl" in rec else "approx_kl"] = f"{rec.get('kl', rec['approx_kl']):.4f}"
         if "eval_accuracy" in rec:
-            post["eval"] = f"{rec['eval_accuracy']:.2f}"
+            self.last_eval = f"{rec['eval_accuracy']:.2f}"
+        # the latest eval first: the bar fits the terminal, and its end is what gets cut
+        post = {} if self.last_eval is None else {"eval": self.last_eval}
+        post["reward"] = f"{rec['reward_mean']:.3f}"
+        if "entropy" in rec:  # absent on a step that trained no token
+            post["kl" if "kl" in rec else "approx_kl"] = f"{rec.get('kl', rec['approx_kl']):.4f}"
+            post["entropy"] = f"{rec['entropy']:.3f}"
         self.bar.set_postfix(post)
 
     def close_bar(self) -> None:

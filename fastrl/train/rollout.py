@@ -12,6 +12,7 @@ length (<= max_new_tokens), V vocabulary.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass, fields
 
@@ -163,6 +164,18 @@ def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None
     return model, tok
 
 
+def _cache_argument(model) -> str:
+    """The forward's name for the KV cache: `cache` (transformers >= 5.2x, which deprecates
+    `past_key_values` and will remove it) or `past_key_values` (older releases)."""
+    forward = getattr(model, "module", model).forward  # a DDP wrapper's forward takes **kwargs
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    """The KV cache of a forward's output, under either name (see `_cache_argument`)."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
 def eos_ids(tokenizer, model=None) -> list[int]:
     """Every token id that ends a completion: the tokenizer's EOS plus the generation config's."""
     ids = {tokenizer.eos_token_id}
@@ -270,7 +283,8 @@ def generate(
     out = model(
         input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1
     )
-    past, logits = out.past_key_values, out.logits[:, -1]  # (N, V)
+    cache_arg = _cache_argument(model)
+    past, logits = _cache_of(out), out.logits[:, -1]  # (N, V)
     next_pos = positions[:, -1] + 1  # (N,)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     toks, logps, masks = [], [], []
@@ -295,10 +309,10 @@ def generate(
             input_ids=tok[:, None],
             attention_mask=attn,
             position_ids=next_pos[:, None],
-            past_key_values=past,
             use_cache=True,
+            **{cache_arg: past},
         )
-        past, logits = out.past_key_values, out.logits[:, -1]
+        past, logits = _cache_of(out), out.logits[:, -1]
         next_pos = next_pos + 1
     completion_mask = torch.stack(masks, 1)
     return Rollout(
