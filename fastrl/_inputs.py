@@ -11,13 +11,12 @@ Errors are ValueErrors that name the argument, its shape or dtype, and what was 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .config import LossConfig, resolve_config
+from .config import LossConfig, _is_finite32, resolve_config
 from .packing import Packing, make_packing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,12 +75,17 @@ def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> 
     return mask.float() if as_float else mask
 
 
+def check_number(name: str, value, expected: str, ok) -> float:
+    """`value` as a float when it is an int / float, finite in fp32 (where the kernels use it:
+    1e39 is a finite Python float but inf there) and `ok(value)`; else a ValueError naming
+    `name` and the `expected` ("a float > 0")."""
+    if not _is_finite32(value) or not ok(value):
+        raise ValueError(f"{name} must be {expected}, finite in fp32 (<= 3.4e38), got {value!r}")
+    return float(value)
+
+
 def check_temperature(temperature: float) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-    return float(temperature)
+    return check_number("temperature", temperature, "a float > 0", lambda t: t > 0)
 
 
 def check_temperature_rows(

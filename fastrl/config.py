@@ -11,7 +11,6 @@ the field, the value and what was expected. `dataclasses.replace(cfg, field=valu
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -31,8 +30,17 @@ SEQ_RATIO_GRADS = ("mean", "token")
 KL_BIAS_RATIOS = ("token", "sequence")
 
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_finite32(x: Any) -> bool:
+    """A real number that stays finite in fp32, where the kernels and the loss use it (1e39 is
+    a finite Python float but inf in fp32: a loss of inf, or a clamp that cannot convert it)."""
+    return _is_real(x) and abs(x) <= FP32_MAX  # False for NaN and inf
 
 
 @dataclass(frozen=True)
@@ -149,8 +157,8 @@ class LossConfig:
             v = getattr(self, name)
             if v is None and optional:
                 return
-            if not _is_real(v) or not math.isfinite(v) or not ok(v):
-                raise bad(name, expected)
+            if not _is_finite32(v) or not ok(v):
+                raise bad(name, expected + " (finite in fp32: |x| <= 3.4e38)")
 
         choice("policy", POLICIES)
         choice("ratio_level", RATIO_LEVELS)

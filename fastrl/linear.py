@@ -30,7 +30,6 @@ merged per row by one all-gather of three fp32 (logp_r, H_r, lse_r).
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import Tensor
@@ -39,6 +38,7 @@ from . import ops, vocab_parallel
 from ._inputs import (
     FLOAT_DTYPES,
     check_mask,
+    check_number,
     check_temperature,
     check_temperature_rows,
     describe,
@@ -87,18 +87,9 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=
     ):
         what = " (this rank's shard of the vocabulary)" if shard else ""
         raise ValueError(f"bias must be a ({V},) tensor like weight{what}, got {describe(bias)}")
-    if (
-        isinstance(logit_scale, bool)
-        or not isinstance(logit_scale, (int, float))
-        or not (math.isfinite(logit_scale) and logit_scale > 0)
-    ):
-        raise ValueError(f"logit_scale must be a finite float > 0, got {logit_scale!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool)
-        or not isinstance(softcap, (int, float))
-        or not (math.isfinite(softcap) and softcap > 0)
-    ):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    check_number("logit_scale", logit_scale, "a float > 0", lambda c: c > 0)
+    if softcap is not None:
+        check_number("softcap", softcap, "None or a float > 0", lambda c: c > 0)
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):

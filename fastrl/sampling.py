@@ -31,11 +31,10 @@ the two backends draw different noise.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from ._inputs import check_number
 from .ops import backend_for
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -56,16 +55,9 @@ def _validate(logits, temperature, top_k, top_p, generator) -> None:
         raise ValueError(f"logits has shape {tuple(logits.shape)}; expected a vocabulary V >= 1")
     if isinstance(temperature, Tensor):
         _check_temperature_rows(temperature, logits)
-    elif (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(
-            f"temperature must be a finite float >= 0 (0 = greedy) or a tensor (N,) of per-row "
-            f"temperatures > 0, got {temperature!r}"
-        )
+    else:
+        expected = "a float >= 0 (0 = greedy) or a tensor (N,) of per-row temperatures > 0"
+        check_number("temperature", temperature, expected, lambda t: t >= 0)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
     if top_p is not None and (

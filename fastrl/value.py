@@ -10,14 +10,12 @@ no host sync, so it is safe inside a compiled or CUDA-graphed step.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from ._inputs import check_float, check_mask, describe
+from ._inputs import check_float, check_mask, check_number, describe
 from .config import AGGS
-from .terms import aggregate, masked_mean
+from .terms import _positive_count, aggregate, masked_mean
 
 
 def _check_count(name: str, count, values: Tensor) -> Tensor | float | None:
@@ -38,18 +36,13 @@ def _check_count(name: str, count, values: Tensor) -> Tensor | float | None:
                 f"{name} is on device meta (a tensor without data); expected it on the values' "
                 f"device {values.device} or the CPU"
             )
-        c = count.detach().to(device=values.device, dtype=torch.float32).reshape(())
-        return torch.where(torch.isfinite(c) & (c > 0), c, float("nan"))
+        return _positive_count(count.detach(), values.device)
     if isinstance(count, bool) or not isinstance(count, (int, float)):
         raise ValueError(
             f"{name} must be None, a finite number > 0 or a one-element real tensor, got "
             f"{type(count).__name__}"
         )
-    if not math.isfinite(count) or count <= 0:
-        raise ValueError(
-            f"{name} must be a finite number > 0 (a token / sequence count), got {count!r}"
-        )
-    return float(count)
+    return check_number(name, count, "a number > 0 (a token / sequence count)", lambda c: c > 0)
 
 
 def value_loss(
@@ -87,13 +80,8 @@ def value_loss(
         check_float(name, x, f"shape {shape} (like values)", shape, values.device)
     if mask is not None:
         check_mask("mask", mask, shape, values.device, as_float=False)
-    if clip is not None and (
-        isinstance(clip, bool)
-        or not isinstance(clip, (int, float))
-        or not clip >= 0
-        or not math.isfinite(clip)
-    ):
-        raise ValueError(f"clip must be a finite float >= 0 or None, got {clip!r}")
+    if clip is not None:
+        check_number("clip", clip, "None or a float >= 0", lambda c: c >= 0)
     if agg not in AGGS:
         raise ValueError(f"agg={agg!r}; expected one of {AGGS}")
     if values.dim() == 1 and agg != "token-mean":

@@ -281,6 +281,7 @@ def test_reinforce_pp_with_token_mask():
         (dict(group_size=3, eps=-1.0), "eps"),  # would flip the advantages' sign
         (dict(group_size=3, eps=math.nan), "eps"),
         (dict(group_size=3, eps=math.inf), "eps"),
+        (dict(group_size=3, eps=1e300), "eps"),  # inf in fp32: every advantage would be 0
     ],
 )
 def test_group_advantages_bad_input(kwargs, match):

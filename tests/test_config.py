@@ -41,6 +41,10 @@ BAD_FIELDS = [
     ("rollout_is_mode", "clip"),
     ("kl_coef", -0.1),
     ("kl_coef", math.nan),
+    ("kl_coef", 1e39),  # finite in Python, inf in fp32: the loss would be inf
+    ("clip_high", 1e300),  # the clamp could not convert it (a RuntimeError)
+    ("temperature", 1e39),  # z / inf = 0: a uniform softmax, silently
+    ("num_seqs", 1e39),
     ("entropy_coef", -1e-3),
     ("clip_high", -0.1),
     ("clip_low", -0.1),

@@ -210,6 +210,8 @@ def test_bad_inputs():
         (dict(chunk_size=0), "chunk_size"),
         (dict(softcap=0.0), "softcap"),
         (dict(logit_scale=float("nan")), "logit_scale"),
+        (dict(logit_scale=1e39), "logit_scale"),  # inf in fp32
+        (dict(softcap=1e300), "softcap"),
     ]
     for change, match in cases:
         kwargs = {**dict(hidden=hidden, weight=weight, tokens=tokens, advantages=adv), **change}

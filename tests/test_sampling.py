@@ -148,6 +148,7 @@ def test_non_contiguous_rows_and_chunking(monkeypatch):
         (dict(logits=torch.zeros(2, 3, dtype=torch.long)), "logits"),
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1e39), "temperature"),  # inf in fp32: z / inf = 0, a uniform draw
         (dict(top_k=0), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),

@@ -219,7 +219,10 @@ def test_adam_betas_reach_the_optimizer(tmp_path):
      ("value_clip", -1.0, {}), ("value_clip", math.nan, {}), ("kl_coef", math.nan, {}),
      ("kl_coef", math.inf, {}), ("lam", 2.0, {}), ("lam", math.nan, {}), ("seed", -1, {}),
      ("temperature", 1e-45, {}), ("model_hidden", 0, {}), ("model_hidden", 30, {}),
-     ("model_layers", 0, {})],
+     ("model_layers", 0, {}),
+     # finite in Python, inf in fp32: NaN at step 1 (or a LossConfig error naming no flag)
+     ("kl_coef", 1e300, {}), ("temperature", 1e39, {}), ("lr", 1e39, {}),
+     ("entropy_coef", 1e39, {})],
 )  # fmt: skip
 def test_bad_options_are_refused_up_front_naming_them(field, value, extra):
     with pytest.raises(ValueError, match="--" + field.replace("_", "-") + "="):

@@ -266,6 +266,8 @@ def test_config_file_runs_a_training(tmp_path, capsys):
     "text, message",
     [
         ("batch_size: 4\nbogus_option: 1\n", "unknown key 'bogus_option'"),
+        ("max_steps: 10\n", "key 'max_steps': TRL's max_steps counts optimizer steps"),
+        ("per-device-train-batch-size: 8\n", "use --batch-size (prompts) instead"),
         ("steps: many\n", "'steps': 'many' is invalid: expected an integer"),
         ("steps: 2.5\n", "'steps': 2.5 is invalid: expected an integer"),
         ("algo: trpo\n", "'algo': 'trpo' is invalid: expected one of ppo, grpo, dapo"),

@@ -82,6 +82,8 @@ def test_value_loss_flat_and_empty_mask():
         (dict(mask=torch.full((4, 9), math.nan)), "mask"),
         (dict(values=torch.zeros(2, 2, 9)), "values"),
         (dict(clip=-0.1), "clip"),
+        (dict(clip=1e300), "clip"),  # inf in fp32: the clamp could not convert it
+        (dict(num_tokens=1e39), "num_tokens"),
         (dict(agg="mean"), "agg"),
     ],
 )

@@ -248,6 +248,8 @@ def load_config_file(path: str, options: dict[str, argparse.Action]) -> tuple[di
     for key, value in data.items():
         name = str(key).replace("-", "_")
         action = options.get(name)
+        if action is None and name in TRL_DIFFERENT:  # a TRL knob of another meaning
+            raise ValueError(f"{where}: key {key!r}: {TRL_DIFFERENT[name]}")
         if action is None:
             raise ValueError(
                 f"{where}: unknown key {key!r} (not a `fastrl train` option; `fastrl train "

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import AGGS, PRESETS, _is_real
+from ..config import AGGS, PRESETS, _is_finite32, _is_real
 
 ALGOS = ("ppo", "grpo", "dapo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -310,6 +310,8 @@ class TrainConfig:
             "eval_every",
             "eval_size",
             "sft_batch_size",
+            "model_hidden",
+            "model_layers",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -351,24 +353,23 @@ class TrainConfig:
             raise bad("eval_split", "a fraction in [0, 1)")
         if not _is_real(self.max_time) or not 0 <= self.max_time < math.inf:
             raise bad("max_time", "a finite number of seconds >= 0 (0: no limit)")
+        # used in fp32 tensors: 1e39 is a finite Python float but inf there
         for name in ("lr", "critic_lr", "max_grad_norm", "sft_lr"):
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v) or v <= 0:
-                raise bad(name, "a finite number > 0")
+            if not _is_finite32(v) or v <= 0:
+                raise bad(name, "a number > 0, finite in fp32 (<= 3.4e38)")
         for name in ("weight_decay", "entropy_coef", "vf_coef", "overlong_factor", "value_clip"):
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v) or v < 0:
-                raise bad(name, "a finite number >= 0")
-        if not _is_real(self.temperature) or not 1e-3 <= self.temperature < math.inf:
-            raise bad("temperature", "a finite number >= 0.001 (lower ones overflow z / τ)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            if not _is_finite32(v) or v < 0:
+                raise bad(name, "a number >= 0, finite in fp32 (<= 3.4e38)")
+        if not _is_finite32(self.temperature) or self.temperature < 1e-3:
+            raise bad("temperature", "a number in [0.001, 3.4e38] (lower ones overflow z / τ)")
+        if (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not 0 <= self.seed < 2**32
+        ):
             raise bad("seed", "an integer in [0, 2**32 - 1]")
-        if not 0 <= self.seed < 2**32:
-            raise bad("seed", "an integer in [0, 2**32 - 1]")
-        for name in ("model_hidden", "model_layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(name, "an integer >= 1")
         if self.model_hidden % 8:
             raise bad("model_hidden", "a multiple of 8 (4 attention heads of an even size)")
         if not _is_real(self.reward_timeout) or not 0 <= self.reward_timeout < math.inf:
@@ -379,10 +380,8 @@ class TrainConfig:
             or self.save_total_limit < 0
         ):
             raise bad("save_total_limit", "None or an integer >= 0 (None / 0: keep every one)")
-        if self.kl_coef is not None and (
-            not _is_real(self.kl_coef) or not 0 <= self.kl_coef < math.inf
-        ):
-            raise bad("kl_coef", "None or a finite number >= 0")
+        if self.kl_coef is not None and (not _is_finite32(self.kl_coef) or self.kl_coef < 0):
+            raise bad("kl_coef", "None or a number >= 0, finite in fp32 (<= 3.4e38)")
         if self.algo == "dapo" and self.kl_coef:
             raise bad("kl_coef", "None or 0 for dapo (DAPO has no KL term and no reference)")
         if (
