@@ -13,7 +13,7 @@ dW += da^T X (fp32 accumulation of dW and db across chunks, cast once at the end
 Registered ops (namespace "fastrl"; fake implementations included, so torch.compile traces them):
   fastrl::linear_token_stats(hidden, weight, bias, tokens, mask, tau, s, c, chunk,
       temperature_rows=None) -> (logp, entropy, lse), fp32 (N,) each; 0 where mask == 0
-  fastrl::linear_token_stats_backward(..., lse, entropy, g, h, ..., temperature_rows=None)
+  fastrl::linear_token_stats_backward(..., logp, lse, entropy, g, h, ..., temperature_rows=None)
       -> (dX, dW, db or (0,))
   fastrl::linear_policy_grad(hidden, weight, bias, <ops.POLICY_ARGS_SCHEMA>, s, c, chunk)
       -> (logp, entropy, dX, dW, db or (0,)): the policy loss's gradient in its forward
@@ -153,11 +153,12 @@ def row_stats(z: Tensor, y: Tensor, temperature):
     return ops.backend(z.device).row_stats(z, y, ops.temperature_arg(temperature))
 
 
-def row_grad_(z: Tensor, y, lse, entropy, g, h, temperature) -> Tensor:
+def row_grad_(z: Tensor, y, logp, lse, entropy, g, h, temperature) -> Tensor:
     """SPEC 6's dL/dz written over the chunk's logits z (1, R, V) (each row is read before it is
-    written) from its (1, R) statistics and g, h (h None: 0); temperature as in `row_stats`."""
+    written) from its (1, R) statistics (logp, lse, entropy) and g, h (h None: 0); temperature
+    as in `row_stats`."""
     tau = ops.temperature_arg(temperature)
-    return ops.backend(z.device).row_grad_(z, y, lse, entropy, g, h, tau, z)
+    return ops.backend(z.device).row_grad_(z, y, logp, lse, entropy, g, h, tau, z)
 
 
 def pick_temperature(temperature, idx: Tensor):
@@ -196,13 +197,13 @@ def local_stats(hidden, weight, bias, y, active, temperature, logit_scale, softc
     return out
 
 
-def local_grads(hidden, weight, bias, y, active, lse, entropy, g, h, temperature, logit_scale,
-                softcap, chunk):  # fmt: skip
+def local_grads(hidden, weight, bias, y, active, logp, lse, entropy, g, h, temperature,
+                logit_scale, softcap, chunk):  # fmt: skip
     """(dX (N, H), dW, db or None) from g = dL/dlogp and h = dL/dH (fp32 (N,), h may be None)
-    and the rows' lse and H (N,): per chunk of `active` the logits again, SPEC 6's dz in place,
-    then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry at y (its row's dz is
-    -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not own it). temperature:
-    a float, or a tensor of per-row tau (N elements)."""
+    and the rows' logp, lse and H (N,): per chunk of `active` the logits again, SPEC 6's dz in
+    place, then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry at y (its row's
+    dz is -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not own it).
+    temperature: a float, or a tensor of per-row tau (N elements)."""
     grads = _Grads(y.numel(), active.numel(), weight, bias, hidden.dtype)
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     for idx in _chunks(active, chunk):
@@ -211,7 +212,7 @@ def local_grads(hidden, weight, bias, y, active, lse, entropy, g, h, temperature
         factor = _chain_factor(z, logit_scale, softcap)
         pick = lambda t, idx=idx: None if t is None else t.index_select(0, idx)[None]  # noqa: E731
         tau = pick_temperature(temperature, idx)
-        row_grad_(z[None], pick(y), pick(lse), pick(entropy), pick(g), pick(h), tau)
+        row_grad_(z[None], pick(y), pick(logp), pick(lse), pick(entropy), pick(g), pick(h), tau)
         grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
         del z, factor
     return grads.result(weight, bias)
@@ -256,6 +257,7 @@ def linear_token_stats_backward(
     bias: Tensor | None,
     tokens: Tensor,
     mask: Tensor | None,
+    logp: Tensor,
     lse: Tensor,
     entropy: Tensor,
     grad_logp: Tensor,
@@ -273,15 +275,15 @@ def linear_token_stats_backward(
     h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
     tau = temperature if temperature_rows is None else temperature_rows
     dh, dw, db = local_grads(
-        hidden, weight, bias, tokens.reshape(-1), active, lse, entropy,
+        hidden, weight, bias, tokens.reshape(-1), active, logp, lse, entropy,
         grad_logp.reshape(-1).float(), h, tau, logit_scale, softcap, chunk,
     )  # fmt: skip
     return dh, dw, _bias_or_empty(db, weight)
 
 
 @linear_token_stats_backward.register_fake
-def _(hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy, temperature,
-      logit_scale, softcap, chunk, temperature_rows=None):  # fmt: skip
+def _(hidden, weight, bias, tokens, mask, logp, lse, entropy, grad_logp, grad_entropy,
+      temperature, logit_scale, softcap, chunk, temperature_rows=None):  # fmt: skip
     N, H = tokens.numel(), weight.shape[1]
     V = weight.shape[0] if bias is not None else 0
     return hidden.new_empty(N, H), torch.empty_like(weight), weight.new_empty(V)
@@ -290,7 +292,7 @@ def _(hidden, weight, bias, tokens, mask, lse, entropy, grad_logp, grad_entropy,
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk, tau_rows = inputs
     logp, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, bias, tokens, mask, lse, entropy, tau_rows)
+    ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, lse, entropy, tau_rows)
     ctx.args = (temperature, logit_scale, softcap, chunk)
     ctx.has_bias = bias is not None
     ctx.hidden_shape = hidden.shape
@@ -299,7 +301,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     ops.refuse_double_backward("linear_logprobs")
-    hidden, weight, bias, tokens, mask, lse, entropy, tau_rows = ctx.saved_tensors
+    hidden, weight, bias, tokens, mask, logp, lse, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
     with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtype, as is
@@ -309,6 +311,7 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
             bias,
             tokens,
             mask,
+            logp,
             lse,
             entropy,
             grad_logp,
@@ -350,7 +353,7 @@ def _linear_policy_grad(hidden, weight, bias, *args):
         logp, entropy, lse = scatter_rows(local, active, N)
         g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
         dh, dw, db = local_grads(
-            hidden, weight, bias, y, active, lse, entropy, g.reshape(-1).float(),
+            hidden, weight, bias, y, active, logp, lse, entropy, g.reshape(-1).float(),
             None if h is None else h.reshape(-1).float(), tau, logit_scale, softcap, chunk,
         )  # fmt: skip
         return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)

@@ -9,7 +9,7 @@ The backend interface (the same names as the Triton launchers in fastrl/kernels/
 `fastrl.ops.backend(device)` picks one of the two modules):
   row_stats(logits, tokens, tau)              -> fp32 (B, T) logp, H, lse     (one exp per logit)
                                               (tau: a float, or a (B, T) per-row tensor)
-  row_grad_(logits, tokens, lse, H, g, h, tau, out)    SPEC 6's dL/dz from (g, h) into `out`
+  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out)   SPEC 6's dL/dz into `out`
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
   stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
                                               statistics, then (g, h), then dL/dz into `out`: here
@@ -198,18 +198,22 @@ def _scaled(rows: Tensor, temperature) -> Tensor:
     return rows.float() / temperature
 
 
-def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
-    """SPEC 6's gradient into `out` (B, T, V), chunk by chunk; `out` may be `logits` itself;
-    temperature a float or a (B, T) tensor of per-row temperatures (those of the statistics).
+def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out):
+    """SPEC 6's gradient into `out` (B, T, V), chunk by chunk, from the (B, T) statistics of
+    `row_stats` (logp, lse, entropy) and g, h; `out` may be `logits` itself; temperature a float
+    or a (B, T) tensor of per-row temperatures (those of the statistics).
 
     The same finishing pass as the fused losses (`_chunk_finish_`, one implementation of the
     gradient): per chunk e = exp(z' - lse) = p in cache-sized blocks (written where the chunk's
     fp32 values live: `out` itself when it is fp32), then dL/dz = p (a log p + c) with
     a = -h / tau, c = -(g + h H) / tau, and the exact entry at y, tau^-1 [g (1 - p_y) -
-    h p_y (logp_y + H)], with logp_y = z'_y - lse read before the row is overwritten."""
+    h p_y (logp_y + H)], from the statistics' logp_y = (z'_y - m) - log s (not z'_y - lse,
+    whose rounding at |lse|'s scale would land in 1 - p_y: kernels/policy_loss.py,
+    `_row_grad_store`)."""
     B, T, V = logits.shape
     y_all = tokens.reshape(-1).long()
-    lse, entropy, g = lse.reshape(-1), entropy.reshape(-1), g.reshape(-1).float()
+    logp_all, lse, entropy = logp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
+    g = g.reshape(-1).float()
     h = None if h is None else h.reshape(-1).float()
     log_s = torch.zeros_like(lse)  # e is p itself: s = 1
     tau_all = row_temperature(temperature, B * T)
@@ -217,10 +221,6 @@ def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
     def body(r0, r1, work):
         rows, y = _rows(logits, r0, r1), y_all[r0:r1]
         tau = _chunk_tau(tau_all, r0, r1)  # float, or (R, 1)
-        y_ok = (y >= 0) & (y < V)
-        z_y = rows.gather(1, torch.where(y_ok, y, 0)[:, None]).float()  # (R, 1)
-        z_y = (z_y if _is_one(tau) else z_y / tau).squeeze(1)
-        logp = torch.where(y_ok, z_y - lse[r0:r1], float("nan"))  # (R,)
         view, e = work.target(out, r0, r1)
         for a in range(0, r1 - r0, work.S):  # e = exp(z' - lse), cache-sized blocks
             b = min(r1 - r0, a + work.S)
@@ -229,7 +229,7 @@ def row_grad_(logits, tokens, lse, entropy, g, h, temperature, out):
                 u.div_(_sub_tau(tau, a, b))
             torch.exp(u.sub_(lse[r0 + a : r0 + b, None]), out=e[a:b])
         stats = [None if t is None else t[r0:r1] for t in (entropy, log_s, g, h)]
-        _chunk_finish_(e, y, logp, *stats, tau, work, view)
+        _chunk_finish_(e, y, logp_all[r0:r1], *stats, tau, work, view)
         if view is None:
             _store_rows(out, r0, r1, e)
 

@@ -23,7 +23,7 @@ Two ways through the (B, T, V) logits, both reading them once per use:
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
   fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None)
       -> (logp, entropy, lse)  # (B, T)
-  fastrl::token_stats_grad(logits, tokens, lse, entropy, g, h, temperature,
+  fastrl::token_stats_grad(logits, tokens, logp, lse, entropy, g, h, temperature,
       temperature_rows=None) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)
   fastrl::policy_loss_grad(logits, tokens, <per-token inputs>, config) -> (logp, H, grad)
@@ -127,32 +127,34 @@ def _row_stats(logits: Tensor, tokens: Tensor, temperature, temperature_rows=Non
 
 
 def _row_grad_(
-    logits, tokens, lse, entropy, g, h, temperature, out: Tensor, temperature_rows=None
+    logits, tokens, logp, lse, entropy, g, h, temperature, out: Tensor, temperature_rows=None
 ) -> Tensor:
     """SPEC 6's dL/dz of logits (B, T, V) written into `out` (may be `logits`) from the (B, T)
-    statistics (lse, entropy) and g, h (h None: 0); temperature as in `_row_stats`."""
+    statistics of `_row_stats` (logp, lse, entropy) and g, h (h None: 0); temperature as in
+    `_row_stats`."""
     tau = temperature_arg(temperature, temperature_rows)
-    return backend(logits.device).row_grad_(logits, tokens, lse, entropy, g, h, tau, out)
+    return backend(logits.device).row_grad_(logits, tokens, logp, lse, entropy, g, h, tau, out)
 
 
 def _define_grad_op(inplace: bool):
     """fastrl::token_stats_grad -> dL/dz (B, T, V) in the logits' dtype, contiguous, or
     (`inplace`) fastrl::token_stats_grad_, which overwrites `logits` with it: SPEC 6 from the
-    row statistics (lse, entropy) and g = grad_logp, h = grad_entropy (None: h = 0), all (B, T);
-    temperature_rows (B, T) fp32, when given, is each row's own tau (replacing `temperature`)."""
+    row statistics (logp, lse, entropy) and g = grad_logp, h = grad_entropy (None: h = 0), all
+    (B, T); temperature_rows (B, T) fp32, when given, is each row's own tau (replacing
+    `temperature`)."""
     name = "fastrl::token_stats_grad" + ("_" if inplace else "")
     logits_arg = "Tensor(a!) logits" if inplace else "Tensor logits"
     args = (
-        "Tensor tokens, Tensor lse, Tensor entropy, Tensor g, Tensor? h, float temperature, "
-        "Tensor? temperature_rows=None"
+        "Tensor tokens, Tensor logp, Tensor lse, Tensor entropy, Tensor g, Tensor? h, "
+        "float temperature, Tensor? temperature_rows=None"
     )
     torch.library.define(name, f"({logits_arg}, {args}) -> {'()' if inplace else 'Tensor'}")
 
     @torch.library.impl(name, "default")
-    def impl(logits, tokens, lse, entropy, g, h, temperature, temperature_rows=None):
+    def impl(logits, tokens, logp, lse, entropy, g, h, temperature, temperature_rows=None):
         _check_v_contiguous(logits)
         out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        _row_grad_(logits, tokens, lse, entropy, g, h, temperature, out, temperature_rows)
+        _row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, temperature_rows)
         return None if inplace else out
 
     @torch.library.register_fake(name)
@@ -190,7 +192,7 @@ def _(logits, tokens, temperature, inplace, temperature_rows=None):
 def _setup_context(ctx, inputs, output):
     logits, tokens, temperature, inplace, temperature_rows = inputs
     logp, entropy, lse = output
-    ctx.save_for_backward(logits, tokens, lse, entropy, temperature_rows)
+    ctx.save_for_backward(logits, tokens, logp, lse, entropy, temperature_rows)
     ctx.temperature = temperature
     ctx.inplace = inplace
     ctx.mark_non_differentiable(lse)
@@ -210,10 +212,10 @@ def refuse_double_backward(op: str) -> None:
 
 def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     refuse_double_backward("logprobs")
-    logits, tokens, lse, entropy, tau_rows = ctx.saved_tensors
+    logits, tokens, logp, lse, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
-    args = (logits, tokens, lse, entropy, grad_logp, grad_entropy, ctx.temperature, tau_rows)
+    args = (logits, tokens, logp, lse, entropy, grad_logp, grad_entropy, ctx.temperature, tau_rows)
     if ctx.inplace:
         token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)

@@ -245,14 +245,15 @@ def _stats(hidden, weight, bias, y, tau, scale, cap, plan: Plan):
     return merge(local, y.index_select(0, active), plan)
 
 
-def _grads(hidden, weight, bias, y, lse, entropy, g, h, tau, scale, cap, plan: Plan):
-    """(dX (N, H) summed over the group, dW_r, db_r) from the merged lse, H and g, h (N,)."""
+def _grads(hidden, weight, bias, y, logp, lse, entropy, g, h, tau, scale, cap, plan: Plan):
+    """(dX (N, H) summed over the group, dW_r, db_r) from the merged logp, lse, H and g, h
+    (N,)."""
     if plan.width == 0:
         dh = torch.zeros(y.numel(), weight.shape[1], dtype=hidden.dtype, device=hidden.device)
         dw, db = torch.zeros_like(weight), None if bias is None else torch.zeros_like(bias)
     else:  # y - o_r outside [0, V_r) on the ranks that do not hold y: no entry at y there
-        dh, dw, db = local_grads(hidden, weight, bias, y - plan.offset, plan.active, lse, entropy,
-                                 g, h, tau, scale, cap, plan.chunk)  # fmt: skip
+        dh, dw, db = local_grads(hidden, weight, bias, y - plan.offset, plan.active, logp, lse,
+                                 entropy, g, h, tau, scale, cap, plan.chunk)  # fmt: skip
     dist.all_reduce(dh, group=plan.group)
     return dh, dw, db
 
@@ -264,18 +265,20 @@ class _LinearLogprobs(torch.autograd.Function):
         y = tokens.reshape(-1).long()
         local = torch.stack(_stats(hidden, weight, bias, y, *args, plan))
         logp, entropy, lse = scatter_rows(local, plan.active, y.numel())
-        ctx.save_for_backward(hidden, weight, bias, y, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, y, logp, lse, entropy)
         ctx.args, ctx.plan = args, plan
         return logp.view(tokens.shape), entropy.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         ops.refuse_double_backward("linear_logprobs")
-        hidden, weight, bias, y, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, y, logp, lse, entropy = ctx.saved_tensors
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).float()
         h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         with torch.autocast(hidden.device.type, enabled=False):
-            dh, dw, db = _grads(hidden, weight, bias, y, lse, entropy, g, h, *ctx.args, ctx.plan)
+            dh, dw, db = _grads(
+                hidden, weight, bias, y, logp, lse, entropy, g, h, *ctx.args, ctx.plan
+            )
         return dh.view(hidden.shape), dw, db, None, None, None
 
 
@@ -302,8 +305,8 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
             return logp.view(B, T), entropy.view(B, T), None
         g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
         h = None if h is None else h.reshape(-1).float()
-        grads = _grads(hidden, weight, bias, y, lse, entropy, g.reshape(-1).float(), h, tau,
-                       scale, cap, plan)  # fmt: skip
+        grads = _grads(hidden, weight, bias, y, logp, lse, entropy, g.reshape(-1).float(), h,
+                       tau, scale, cap, plan)  # fmt: skip
         return logp.view(B, T), entropy.view(B, T), grads
     logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in "lh")
     n_written = plan.active.numel() if plan.width else -1  # an empty shard: dX zero-filled
@@ -329,7 +332,7 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
         logp.index_copy_(0, idx, lp)
         entropy.index_copy_(0, idx, ent)
         if plan.width:
-            row_grad_(z[None], y_loc[None], lse[None], ent[None], g, h, tau_rows)
+            row_grad_(z[None], y_loc[None], lp[None], lse[None], ent[None], g, h, tau_rows)
             grads.add(idx, rows, _to_pre_activation(z, factor, scale), weight)
             del z, factor
     dh, dw, db = grads.result(weight, bias)

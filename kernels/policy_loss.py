@@ -15,7 +15,9 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
   SPEC 6's gradient
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
   with g = dL/dlogp and h = dL/dH of that row (computed by autograd from the O(N) per-token
-  terms). A row with g = h = 0 (a masked token) writes zeros without reading its logits.
+  terms), p_j from the stored lse and p_y from the stored logp (exact for a nearly one-hot row:
+  `_row_grad_store`). A row with g = h = 0 (a masked token) writes zeros without reading its
+  logits.
 * `_policy_loss_fwd_kernel` (persistent grid, one program per row at a time): for a
   token-separable loss (fastrl.terms.is_token_separable: the loss is sum_t c_t L_t(logp_t, H_t))
   the two above in ONE program: the row's statistics, then g = c_t dL_t/dlogp_t written out here
@@ -222,6 +224,7 @@ def _token_stats_merge_fwd_kernel(
 def _token_stats_bwd_kernel(
     logits_ptr,  # (B, T, V) fp32 / bf16 / fp16, stride over V is 1
     tokens_ptr,  # (B * T,) int32 / int64, contiguous
+    logp_ptr,  # (B * T,) fp32: the forward's logp = (z'_y - m) - log s
     lse_ptr,  # (B * T,) fp32
     entropy_ptr,  # (B * T,) fp32
     grad_logp_ptr,  # (B * T,) fp32: g = dL/dlogp
@@ -240,8 +243,9 @@ def _token_stats_bwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     # one program per row (grid (B * T,)): dL/dz_j = (1/tau) [g (1[j = y] - p_j)
-    # - h p_j (log p_j + H)] with log p_j = z'_j - lse, BLOCK_V columns at a time (tau = tau_t,
-    # the row's own temperature, with ROW_TEMP; lse and H were computed with it).
+    # - h p_j (log p_j + H)] with log p_j = z'_j - lse (the forward's logp at j = y),
+    # BLOCK_V columns at a time (tau = tau_t, the row's own temperature, with ROW_TEMP; lse
+    # and H were computed with it).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
     out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
@@ -250,11 +254,14 @@ def _token_stats_bwd_kernel(
         h = tl.load(grad_entropy_ptr + row)
     else:
         h = g * 0.0
+    logp = tl.load(logp_ptr + row)
     lse = tl.load(lse_ptr + row)
     entropy = tl.load(entropy_ptr + row)
     y = tl.load(tokens_ptr + row).to(tl.int64)
     inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-    _row_grad_store(row_ptr, out_ptr, V, y, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V)
+    _row_grad_store(
+        row_ptr, out_ptr, V, y, logp, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V
+    )
 
 
 @triton.jit
@@ -263,6 +270,7 @@ def _row_grad_store(
     out_ptr,
     V,
     y,
+    logp,
     lse,
     entropy,
     g,
@@ -272,8 +280,12 @@ def _row_grad_store(
     BLOCK_V: tl.constexpr,
 ):
     # SPEC 6 for one row into out_ptr: dL/dz_j = (1/tau) [g (1[j = y] - p_j) - h p_j (log p_j
-    # + H)], log p_j = z'_j - lse, BLOCK_V columns at a time. g = h = 0 (a masked token) writes
-    # zeros without reading the logits.
+    # + H)], BLOCK_V columns at a time. g = h = 0 (a masked token) writes zeros without reading
+    # the logits. log p_j = z'_j - lse, except at j = y: there the row's logp = (z'_y - m) -
+    # log s, as the forward formed it. lse = m + log s is rounded at |lse|'s scale, so
+    # z'_y - lse is off by about eps |lse| (eps = 2^-24), all of which lands in 1 - p_y: in a
+    # nearly one-hot row (1 - p_y ~ 1e-4, |lse| ~ 30) that is a few % of the entry. From logp,
+    # the error of 1 - p_y is that of torch's own log_softmax backward (about eps).
     cols = tl.arange(0, BLOCK_V)
     if (g == 0.0) & (h == 0.0):
         for start in range(0, V, BLOCK_V):
@@ -288,7 +300,7 @@ def _row_grad_store(
             offs = start + cols
             valid = offs < V
             z = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            log_p = z - lse
+            log_p = tl.where(offs == y, logp, z - lse)
             p = tl.exp(log_p)
             d = -g * p
             if HAS_GRAD_ENTROPY:
@@ -473,8 +485,9 @@ def _policy_loss_fwd_kernel(
         y = tl.load(tokens_ptr + row).to(tl.int64)
         out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
         _row_grad_store(
-            row_ptr, out_ptr, V, y, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V
-        )
+            row_ptr, out_ptr, V, y, logp, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY,
+            BLOCK_V,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- launch configurations
@@ -568,8 +581,8 @@ def row_grad_configs(
     Example arguments: logits and out (1, N, V) contiguous."""
     block, num_warps = _launch_config(V, dtype.itemsize)
     args = {
-        "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "lse_ptr": Ptr(_F32),
-        "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32), "grad_entropy_ptr": Ptr(_F32),
+        "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "logp_ptr": Ptr(_F32),
+        "lse_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32), "grad_entropy_ptr": Ptr(_F32),
         "grad_ptr": Ptr(dtype), "T": N, "V": V, "stride_logits_b": N * V, "stride_logits_t": V,
         "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
     }  # fmt: skip
@@ -705,6 +718,7 @@ def row_stats(
 def row_grad_(
     logits: torch.Tensor,
     tokens: torch.Tensor,
+    logp: torch.Tensor,
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: torch.Tensor,
@@ -714,8 +728,8 @@ def row_grad_(
 ) -> torch.Tensor:
     """Write dL/dz (SPEC 6) into `out` (B, T, V), which may be `logits` itself (in-place).
 
-    logits (B, T, V); tokens, lse, entropy, grad_logp, grad_entropy (B, T) (fp32, the last two
-    are g and h; grad_entropy None means h = 0); temperature a float tau or a (B, T) tensor of
+    logits (B, T, V); tokens, logp, lse, entropy (`row_stats`' outputs), grad_logp,
+    grad_entropy (B, T) (fp32, the last two are g and h; grad_entropy None means h = 0); temperature a float tau or a (B, T) tensor of
     per-row tau_t (the one the statistics were computed with). Returns `out`."""
     B, T, V = logits.shape
     N = B * T
@@ -732,7 +746,7 @@ def row_grad_(
     h = g if grad_entropy is None else grad_entropy.float().contiguous()
     lse = lse.contiguous()
     cfg(
-        logits, tokens, lse, entropy.contiguous(), g, h, out, T, V,
+        logits, tokens, logp.contiguous(), lse, entropy.contiguous(), g, h, out, T, V,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), inv_temp,
         lse if inv_rows is None else inv_rows,
     )  # fmt: skip
@@ -803,5 +817,5 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
             return policy_rows_(logits, tokens, temperature, terms, out)
     logp, entropy, lse = row_stats(logits, tokens, temperature)
     g, h = grad_fn(logp, entropy)
-    row_grad_(logits, tokens, lse, entropy, g, h, temperature, out)
+    row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out)
     return logp, entropy

@@ -210,7 +210,7 @@ def test_row_stats_launches_its_configs(launched, split_chunk):
     torch.testing.assert_close(lse, torch.logsumexp(logits.float() / 0.7, -1))
     launched.clear()
     g, h = torch.randn(2, 3), torch.randn(2, 3)
-    PL.row_grad_(logits, tokens, lse, entropy, g, h, 0.7, torch.empty_like(logits))
+    PL.row_grad_(logits, tokens, logp, lse, entropy, g, h, 0.7, torch.empty_like(logits))
     assert launched == _as_launched(PL.row_grad_configs(6, 300, torch.bfloat16, True))
     launched.clear()
     grad = torch.randn(4, 5000)

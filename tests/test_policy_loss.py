@@ -406,8 +406,9 @@ def softmax_grad_scale(out_r, grad_r, tokens) -> float:
     """The scale a gradient check of few rows needs: a row's entries are (g / tau)(delta_jy - p_j)
     (plus the entropy term), so when every counted row is nearly one-hot (p_y -> 1, which a
     random search over 1-2 rows finds) all entries are small differences, and any fp32
-    implementation gets them only to ~eps * |g / tau| (an lse-based backward to eps * |lse| *
-    |g / tau|). Compare against g / tau, recovered from the oracle as grad_y / (1 - p_y), or the
+    implementation gets them only to ~eps * |g / tau| (torch's log_softmax backward and fastrl's,
+    whose p_y comes from the forward's logp: test_logprobs' nearly one-hot test holds that to
+    float64). Compare against g / tau, recovered from the oracle as grad_y / (1 - p_y), or the
     largest entry where that is larger."""
     grad_y = grad_r.double().gather(-1, tokens[..., None]).squeeze(-1).abs()  # (B, T)
     one_minus_p = -torch.expm1(out_r.logp.double())  # (B, T), 0 where V = 1

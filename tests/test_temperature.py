@@ -279,10 +279,10 @@ def test_row_ops_take_a_per_row_temperature(device):
     torch.testing.assert_close(lse, torch.logsumexp(logits / tau[..., None], -1), **FWD)
     (gl * rlogp + gh * rent).sum().backward()
     out = torch.empty_like(logits)
-    ops._row_grad_(logits, tokens, lse, ent, gl, gh, tau, out)  # the tensor as `temperature`
+    ops._row_grad_(logits, tokens, logp, lse, ent, gl, gh, tau, out)  # the tensor as `temperature`
     _close_grad(out, xr.grad)
     z = logits.clone()
-    ops._row_grad_(z, tokens, lse, ent, gl, None, 1.0, z, tau)  # in place, h = 0
+    ops._row_grad_(z, tokens, logp, lse, ent, gl, None, 1.0, z, tau)  # in place, h = 0
     xr.grad = None
     (gl * R.token_logprobs(xr / tau[..., None], tokens)[0]).sum().backward()
     _close_grad(z, xr.grad)
@@ -310,7 +310,7 @@ def test_launchers_run_the_row_temp_configs(launched, split_chunk):
     assert launched == _as_launched(expected)
     assert all(dict(c.constexprs)["ROW_TEMP"] for c in expected if c.name != "_scale_grad_kernel")
     launched.clear()
-    PL.row_grad_(logits, tokens, lse, ent, logp, None, tau, torch.empty_like(logits))
+    PL.row_grad_(logits, tokens, logp, lse, ent, logp, None, tau, torch.empty_like(logits))
     assert launched == _as_launched(
         PL.row_grad_configs(6, 300, torch.float32, False, row_temp=True)
     )
