@@ -281,11 +281,13 @@ def _row_grad_store(
 ):
     # SPEC 6 for one row into out_ptr: dL/dz_j = (1/tau) [g (1[j = y] - p_j) - h p_j (log p_j
     # + H)], BLOCK_V columns at a time. g = h = 0 (a masked token) writes zeros without reading
-    # the logits. log p_j = z'_j - lse, except at j = y: there the row's logp = (z'_y - m) -
-    # log s, as the forward formed it. lse = m + log s is rounded at |lse|'s scale, so
-    # z'_y - lse is off by about eps |lse| (eps = 2^-24), all of which lands in 1 - p_y: in a
-    # nearly one-hot row (1 - p_y ~ 1e-4, |lse| ~ 30) that is a few % of the entry. From logp,
-    # the error of 1 - p_y is that of torch's own log_softmax backward (about eps).
+    # the logits. log p_j = z'_j - lse, except at j = y: that entry is formed once per row from
+    # the row's logp = (z'_y - m) - log s, as the forward formed it. lse = m + log s is rounded
+    # at |lse|'s scale, so z'_y - lse is off by about eps |lse| (eps = 2^-24), all of which
+    # lands in 1 - p_y: in a nearly one-hot row (1 - p_y ~ 1e-4, |lse| ~ 30) about 2 % of the
+    # entry. From logp, the error of 1 - p_y is that of torch's own log_softmax backward (about
+    # eps). (A scalar before the loop, not a select of logp inside it: that kept one more value
+    # live per element and made triton 3.6 spill at BLOCK_V >= 4096 with the entropy term.)
     cols = tl.arange(0, BLOCK_V)
     if (g == 0.0) & (h == 0.0):
         for start in range(0, V, BLOCK_V):
@@ -296,17 +298,22 @@ def _row_grad_store(
                 mask=offs < V,
             )
     else:
+        p_y = tl.exp(logp)
+        d_y = g * (1.0 - p_y)
+        if HAS_GRAD_ENTROPY:
+            d_y -= h * p_y * tl.where(p_y > 0.0, logp + entropy, 0.0)
+        d_y = d_y * inv_temp
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             valid = offs < V
             z = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            log_p = tl.where(offs == y, logp, z - lse)
+            log_p = z - lse
             p = tl.exp(log_p)
             d = -g * p
             if HAS_GRAD_ENTROPY:
                 # p (log p + H) := 0 where p = 0 (a -inf logit has no entropy gradient)
                 d -= h * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-            d = tl.where(offs == y, d + g, d) * inv_temp
+            d = tl.where(offs == y, d_y, d * inv_temp)
             tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=valid)
 
 
