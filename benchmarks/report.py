@@ -399,6 +399,36 @@ def _git(*args: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+# Measures whose CPU recordings run the chunked torch path only: the Triton kernels (kernels/)
+# are never imported there (fastrl.ops picks them for CUDA tensors or FASTRL_BACKEND=triton), so
+# a kernel-only change leaves those recordings current.
+_CPU_WITHOUT_KERNELS = (
+    "bench_policy_loss", "bench_fused_linear", "bench_packed", "bench_vocab_parallel",
+    "train_summary", "learning_vs_trl", "learning",
+)  # fmt: skip
+
+
+def _recorded_on_cpu(name: str, meta: dict) -> bool:
+    """The results file `name` was measured on the CPU: its `device` says so, its name ends in
+    _cpu, or its machine (the trainers' files) names a CPU and no GPU."""
+    machine = meta.get("machine")
+    return (
+        meta.get("device") == "cpu"
+        or name.endswith("_cpu")
+        or (isinstance(machine, dict) and "cpu" in machine and "gpu" not in machine)
+    )
+
+
+def measured_paths(key: str, name: str, meta: dict) -> list[str]:
+    """The paths (git pathspecs) whose changes make the results file `name` (of MEASURES `key`)
+    stale: MEASURES[key], less the Triton kernels for a CPU recording of a measure that never
+    runs them (_CPU_WITHOUT_KERNELS)."""
+    paths = MEASURES[key]
+    if key in _CPU_WITHOUT_KERNELS and _recorded_on_cpu(name, meta):
+        paths = [p for p in paths if p != "kernels" and not p.startswith(":(glob)kernels/")]
+    return paths
+
+
 def staleness(name: str, meta: dict) -> str | None:
     """A warning line when the results file `name` (its stem) was recorded before the last
     change to the code it measures (MEASURES), or at a commit this checkout does not know;
@@ -414,7 +444,7 @@ def staleness(name: str, meta: dict) -> str | None:
             f"**Stale?** recorded at commit `{commit[:7] or '?'}`, which this checkout does not "
             "have: rerun the benchmark to trust these numbers."
         )
-    changed = _git("rev-list", f"{commit}..HEAD", "--", *MEASURES[key])
+    changed = _git("rev-list", f"{commit}..HEAD", "--", *measured_paths(key, name, meta))
     if not changed:
         return (
             None

@@ -172,6 +172,19 @@ def test_report_marks_a_table_older_than_its_code():
     assert dirty.startswith("(recorded at commit") and "uncommitted" in dirty
     unknown = report.staleness("bench_gae_cpu", {"git_commit": "0" * 40})
     assert unknown.startswith("**Stale?**")
+    # a change to the Triton kernels alone leaves a CPU recording (torch path) current, not a
+    # CUDA one
+    kernel_only = [
+        c for c in git("log", "--format=%H", "-40", "--", "kernels/policy_loss.py").splitlines()
+        if not git("diff", "--name-only", f"{c}^", c, "--", "fastrl", "benchmarks/bench_*.py")
+    ]  # fmt: skip
+    if kernel_only:
+        before = git("rev-parse", f"{kernel_only[0]}^")
+        later = git("rev-list", f"{kernel_only[0]}..HEAD", "--", "fastrl", "benchmarks")
+        if not later:
+            assert report.staleness("bench_policy_loss_cpu", {"git_commit": before}) is None
+        cuda = report.staleness("bench_policy_loss_cuda", {"git_commit": before, "device": "cuda"})
+        assert cuda.startswith("**Stale:**")
 
 
 def test_learning_vs_trl_quick(tmp_path):
