@@ -280,6 +280,10 @@ def child_env() -> dict:
     return env
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_stage(s: Stage, timeout: float, logs: Path) -> None:
     log = logs / f"{s.name}.log"
     if s.name == "pytest-gpu":
@@ -298,6 +302,10 @@ def run_stage(s: Stage, timeout: float, logs: Path) -> None:
                 stdout=out,
                 stderr=logf,
                 start_new_session=True,  # its own process group: a timeout ends all of it
+                # SIGINT back to its default in the child: a job started in the background by
+                # a non-interactive shell (`... &`, nohup) inherits it ignored, and pytest would
+                # then never see the timeout's SIGINT
+                preexec_fn=_default_sigint,
             )
             try:
                 s.rc = proc.wait(timeout=timeout)
