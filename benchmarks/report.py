@@ -419,13 +419,22 @@ def _recorded_on_cpu(name: str, meta: dict) -> bool:
     )
 
 
+# The vocab-parallel path (`group=` or a DTensor lm_head weight) runs in one benchmark only; the
+# others are one process with a plain weight, where fastrl.linear calls nothing of that module
+# but its `is_dtensor` test.
+_VOCAB_PARALLEL = "fastrl/vocab_parallel.py"
+
+
 def measured_paths(key: str, name: str, meta: dict) -> list[str]:
     """The paths (git pathspecs) whose changes make the results file `name` (of MEASURES `key`)
     stale: MEASURES[key], less the Triton kernels for a CPU recording of a measure that never
-    runs them (_CPU_WITHOUT_KERNELS)."""
+    runs them (_CPU_WITHOUT_KERNELS), less the vocab-parallel module for every measure but
+    bench_vocab_parallel."""
     paths = MEASURES[key]
     if key in _CPU_WITHOUT_KERNELS and _recorded_on_cpu(name, meta):
         paths = [p for p in paths if p != "kernels" and not p.startswith(":(glob)kernels/")]
+    if key != "bench_vocab_parallel":
+        paths = [*paths, f":(exclude){_VOCAB_PARALLEL}"]
     return paths
 
 

@@ -13,19 +13,21 @@ each rank computes, over its own columns only, exactly what the single-device op
 all of them, (logp_r, H_r, lse_r) = (z'_y - lse_r, -sum p^r log p^r, logsumexp z'^r) with
 p^r = softmax of the shard's logits (logp_r only means something on the rank that owns y). Then
 
-    lse  = logsumexp_r lse_r,   pi_r = exp(lse_r - lse)    (the shards' probability mass)
-    H    = sum_r pi_r (H_r + lse - lse_r)                    (mixture entropy: no cancellation)
-    logp = logp_own + lse_own - lse                          (own: the rank that holds y)
+    d_r  = lse_r - lse_own,   L = logsumexp_r d_r = lse - lse_own   (own: the rank holding y)
+    pi_r = exp(d_r - L)                                      (the shards' probability mass)
+    H    = sum_r pi_r (H_r + L - d_r)                        (mixture entropy: no cancellation)
+    logp = logp_own - L,   lse = lse_own + L
 
-so ONE collective per row merges them: an all-gather of the three fp32 (logp_r, H_r, lse_r), 12 B
-sent per row per rank, 12 P B received and held (a (P, R, 3) fp32 buffer), merged identically
-on every rank (same numbers everywhere, no separate max all-reduce, no overflow for any
-offset: the merge is in log space). The backward on this shard's columns needs only the
-global lse and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j)
-- h p_j (log p_j + H)] (tau: the float, or the row's own tau_t with a per-token temperature,
-replicated like the other per-token inputs), where only the owner has the 1[j = y] entry;
-dW_r = dz_r^T X and db_r stay local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H
-values in hidden's dtype.
+Everything is taken in differences from lse_own (never lse - lse_own of two rounded lse, which
+would carry eps |lse| into logp and all of it into the gradient's 1 - p_y in a peaked row: SPEC 6
+Numerics). So ONE collective per row merges them: an all-gather of the three fp32 (logp_r, H_r,
+lse_r), 12 B sent per row per rank, 12 P B received and held (a (P, R, 3) fp32 buffer), merged
+identically on every rank (same numbers everywhere, no separate max all-reduce, no overflow for any
+offset: the merge is in log space). The backward on this shard's columns needs only the global lse
+and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j) - h p_j (log p_j + H)]
+(tau: the float, or the row's own tau_t with a per-token temperature, replicated like the other
+per-token inputs), where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r stay
+local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
 
 Collectives per call: one all-gather of 8 int64 per rank (shard sizes, row counts, chunk size,
 token range, an input-check flag: the one host read of the call) that checks the inputs are
@@ -224,12 +226,16 @@ def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]
     parts = local.new_empty(plan.size, *local.shape)
     dist.all_gather(list(parts.unbind(0)), local.contiguous(), group=plan.group)
     lp_r, h_r, lse_r = parts.unbind(1)  # (P, R) each
-    lse = torch.logsumexp(lse_r, 0)
-    pi = torch.exp(lse_r - lse)
-    entropy = torch.where(pi > 0, pi * (h_r + (lse - lse_r)), 0.0).sum(0)
     own = plan.owner(y)[None]
-    logp = lp_r.gather(0, own)[0] + (lse_r.gather(0, own)[0] - lse)
-    return logp, entropy, lse
+    lse_own = lse_r.gather(0, own)  # (1, R)
+    # in differences from the owner's lse (d_own = 0 exactly): the rounding of lse at its own
+    # scale, eps |lse|, then only enters the other shards' (small, in a peaked row) mass
+    d = lse_r - lse_own  # (P, R)
+    log_mass = torch.logsumexp(d, 0)  # lse - lse_own
+    pi = torch.exp(d - log_mass)
+    entropy = torch.where(pi > 0, pi * (h_r + (log_mass - d)), 0.0).sum(0)
+    logp = lp_r.gather(0, own)[0] - log_mass
+    return logp, entropy, lse_own[0] + log_mass
 
 
 def _stats(hidden, weight, bias, y, tau, scale, cap, plan: Plan):

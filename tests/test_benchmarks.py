@@ -185,6 +185,19 @@ def test_report_marks_a_table_older_than_its_code():
             assert report.staleness("bench_policy_loss_cpu", {"git_commit": before}) is None
         cuda = report.staleness("bench_policy_loss_cuda", {"git_commit": before, "device": "cuda"})
         assert cuda.startswith("**Stale:**")
+    # a change to the vocab-parallel module alone marks that benchmark only (the others run
+    # one process with a plain weight, and never take its path)
+    code = ("fastrl", "kernels", "benchmarks/bench_*.py")
+    vp_only = [
+        c for c in git("log", "--format=%H", "-40", "--", "fastrl/vocab_parallel.py").splitlines()
+        if git("diff", "--name-only", f"{c}^", c, "--", *code) == "fastrl/vocab_parallel.py"
+    ]  # fmt: skip
+    if vp_only:
+        before = {"git_commit": git("rev-parse", f"{vp_only[0]}^")}
+        assert report.staleness("bench_vocab_parallel_cpu", before).startswith("**Stale:**")
+        if not git("rev-list", f"{vp_only[0]}..HEAD", "--", "fastrl", "kernels", "benchmarks"):
+            for name in ("bench_policy_loss_cpu", "bench_fused_linear_cpu", "train_summary"):
+                assert report.staleness(name, before) is None, name
 
 
 def test_learning_vs_trl_quick(tmp_path):

@@ -121,6 +121,44 @@ def _check_dtensor(b, world):
         fastrl.linear_logprobs(b["hidden"], replicated, b["tokens"])
 
 
+def _check_nearly_one_hot(rows, group):
+    """Rows with p_y = 1 - 1e-4 at |lse| ~ 53 (identity weight: the logits are `hidden`), the
+    token in the first shard: the sharded op is as exact as the unsharded one (errors against
+    float64 within 2.5x of its; fp32's own limit here is log s = log(1 + 1e-4) to eps). The merge
+    takes logp and H from differences of the shards' lse, logp_own - log sum_r exp(lse_r -
+    lse_own): lse - lse_own as a difference of two rounded lse carried eps |lse| ~ 3e-6 into a
+    logp of -1e-4 (7x the unsharded error), and from it into the gradient's target entry, the
+    cancellation g (1 - p_y) (SPEC 6), and into H."""
+    B, T, Vh = 2, 4, 37
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(B, T, Vh, generator=g)
+    y = torch.randint(0, 12, (B, T), generator=g)  # held by rank 0 in every split of SHARDS
+    z.scatter_(2, y[..., None], 13.0)
+    z = z + 40.0
+    up_lp, up_h = torch.randn(2, B, T, generator=g)
+    x64 = z.double().requires_grad_()
+    logq = torch.log_softmax(x64, -1)
+    want = logq.gather(-1, y[..., None])[..., 0], -(logq.exp() * logq).sum(-1)
+    (want[0] * up_lp + want[1] * up_h).sum().backward()
+    one_minus_p = -torch.expm1(want[0].detach())
+    assert 5e-5 < one_minus_p.min() and one_minus_p.max() < 1e-3  # the rows are as meant
+
+    def errors(weight, **kw):  # |logp|, |H| and target-entry errors against float64
+        x = z.clone().requires_grad_()
+        logp, ent = fastrl.linear_logprobs(x, weight, y, chunk_size=3, entropy=True, **kw)
+        (logp * up_lp + ent * up_h).sum().backward()
+        at_y = lambda t: t.gather(-1, y[..., None])[..., 0].double()  # noqa: E731
+        pairs = (logp, want[0]), (ent, want[1]), (at_y(x.grad), at_y(x64.grad))
+        return [(got.double() - exp.detach()).abs().max() for got, exp in pairs]
+
+    for name, mine, unsharded in zip(("logp", "entropy", "dz at y"),
+                                     errors(torch.eye(Vh)[rows], group=group),
+                                     errors(torch.eye(Vh))):  # fmt: skip
+        assert mine <= 2.5 * unsharded + 1e-9, (
+            f"{name}: off by {mine:.2e}, unsharded {unsharded:.2e}"
+        )
+
+
 def _check_bad_inputs(b, rows, group, rank):
     w, bias = b["weight"][rows], b["bias"][rows]
     too_big = b["tokens"].clone()
@@ -168,6 +206,7 @@ def _worker(rank, world, store):
             _check_logprobs(b, rows, group, temperature=b["tau"], softcap=2.0)
             _check_policy(b, rows, group, config="grpo", entropy_coef=0.01, temperature=b["tau"])
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
+            _check_nearly_one_hot(rows, group)
         _check_dtensor(b, world)
         start = sum(SHARDS[world][0][:rank])
         _check_bad_inputs(b, slice(start, start + SHARDS[world][0][rank]), group, rank)
