@@ -84,6 +84,24 @@ def check_number(name: str, value, expected: str, ok) -> float:
     return float(value)
 
 
+def packed_per_sequence(name: str, t: Tensor, packing: Packing | None, N: int) -> bool:
+    """Whether the per-row-or-per-sequence input `t` of packed rows (flat, N of them) holds one
+    value per sequence, shape (S,), rather than one per row, (N,) or (1, N). When S == N the
+    shape cannot tell: the two readings agree when every sequence is one row (max_seqlen 1);
+    otherwise (an empty sequence, so another has several rows) a ValueError asks for (1, N)."""
+    if packing is None or tuple(t.shape) != (packing.num_seqs,):
+        return False
+    if packing.num_seqs != N or packing.max_seqlen <= 1:
+        return packing.num_seqs != N
+    raise ValueError(
+        f"{name} has shape ({N},): one per row (N = {N}) and one per packed sequence (S = "
+        f"{packing.num_seqs}) at once, two readings that differ unless every sequence is one "
+        f"row (an empty sequence makes another longer). Pass one value per row as shape (1, "
+        f"{N}); per-sequence values repeated over their rows first "
+        f"(values.repeat_interleave(cu_seqlens.diff())) are that too"
+    )
+
+
 def check_temperature(temperature: float) -> float:
     return check_number("temperature", temperature, "a float > 0", lambda t: t > 0)
 
@@ -97,9 +115,11 @@ def check_temperature_rows(
     for all. A float dtype, on the logits' device or the CPU (then moved). The values (finite,
     > 0) are checked on CPU tensors outside torch.compile only (elsewhere a host sync / a graph
     break): a ValueError naming `temperature`, its shape and the expected shapes otherwise."""
-    shapes = [(), (T,)] if flat else [(), (B,), (B, T)]
+    shapes = [(), (T,), (1, T)] if flat else [(), (B,), (B, T)]
     expected = "() (one for all), (N,) = " if flat else "() (one for all), (B,) = "
-    expected += f"{(T,)} (like tokens)" if flat else f"{(B,)} (one per sequence) or {(B, T)}"
+    expected += (
+        f"{(T,)} or {(1, T)} (like tokens)" if flat else f"{(B,)} (one per sequence) or {(B, T)}"
+    )
     if packing is not None:
         shapes.append((packing.num_seqs,))
         expected += f" or {(packing.num_seqs,)} (one per packed sequence)"
@@ -125,7 +145,7 @@ def check_temperature_rows(
     t = t.to(device=device, dtype=torch.float32)
     if t.dim() == 0:
         return t.expand(B, T)
-    if packing is not None and tuple(t.shape) == (packing.num_seqs,) and t.shape != (T,):
+    if packed_per_sequence("temperature", t, packing, T):
         return packing.per_row(t).view(1, T)
     if flat:
         return t.view(1, T)
@@ -299,17 +319,19 @@ def prepare_policy_inputs(
 
     if not isinstance(advantages, Tensor):
         raise ValueError(f"advantages must be a float tensor, got {type(advantages).__name__}")
-    adv_expected = f"shape {(T,)} (like tokens)" if flat else f"shape {(B,)} or {(B, T)}"
+    adv_expected = (
+        f"shape {(T,)} or {(1, T)} (like tokens)" if flat else f"shape {(B,)} or {(B, T)}"
+    )
     if packing is not None:
-        adv_expected = f"shape {(T,)} (like tokens) or {(packing.num_seqs,)} (one per sequence)"
+        adv_expected += f" or {(packing.num_seqs,)} (one per sequence)"
     if not advantages.is_floating_point() or advantages.device != dev:
         raise shape_error("advantages", advantages, f"{adv_expected}, a float dtype, device {dev}")
-    if packing is not None and tuple(advantages.shape) == (packing.num_seqs,):
+    if packed_per_sequence("advantages", advantages, packing, T):
         advantages = packing.per_row(advantages)
     if flat:
-        if tuple(advantages.shape) != (T,):
+        if tuple(advantages.shape) not in ((T,), (1, T)):
             raise shape_error("advantages", advantages, adv_expected)
-        advantages = advantages.unsqueeze(0)
+        advantages = advantages.reshape(1, T)
     elif tuple(advantages.shape) == (B,):
         advantages = advantages.unsqueeze(1).expand(B, T)
     elif tuple(advantages.shape) != (B, T):

@@ -18,7 +18,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._inputs import check_float, check_mask, describe
+from ._inputs import check_float, check_mask, check_number, describe
 from .config import FP32_MAX
 
 WHITEN_EPS = 1e-8  # SPEC 7
@@ -260,7 +260,8 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
     """DAPO's soft overlong punishment (SPEC 9), to add to the reward. lengths (B,) -> (B,) fp32.
 
     With L_exp = max_len - cache_len: 0 if |y| <= L_exp; (L_exp - |y|) / cache_len * factor if
-    L_exp < |y| <= max_len; -factor beyond."""
+    L_exp < |y| <= max_len; -factor beyond. factor: a float >= 0. A non-finite length (a float
+    tensor's NaN or inf) gives NaN, never a finite penalty."""
     if not isinstance(lengths, Tensor) or lengths.dim() != 1:
         got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
         raise ValueError(f"lengths must be a tensor of shape (B,), got {got}")
@@ -268,11 +269,12 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
         raise ValueError(f"max_len={max_len!r} and cache_len={cache_len!r} must be ints")
     if not 0 < cache_len <= max_len:
         raise ValueError(f"cache_len={cache_len} must lie in (0, max_len={max_len}]")
+    factor = check_number("factor", factor, "a float >= 0", lambda f: f >= 0)
     expected_len = max_len - cache_len
     y = lengths.double()
     ramp = (expected_len - y) / cache_len * factor
-    out = torch.where(y <= expected_len, 0.0, torch.where(y <= max_len, ramp, -float(factor)))
-    return out.float()
+    out = torch.where(y <= expected_len, 0.0, torch.where(y <= max_len, ramp, -factor))
+    return torch.where(torch.isfinite(y), out, float("nan")).float()
 
 
 def dynamic_sampling_filter(rewards: Tensor, group_size: int) -> Tensor:

@@ -11,6 +11,7 @@ the field, the value and what was expected. `dataclasses.replace(cfg, field=valu
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -34,7 +35,16 @@ FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """An int or float, numpy's scalars included (numbers.Real); never a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _plain(x: Any) -> Any:
+    """A real number as Python's own int / float (numpy's np.float64 is a float subclass whose
+    repr, 'np.float64(0.2)', the custom ops' config key could not read back)."""
+    if type(x) in (int, float) or not _is_real(x):
+        return x
+    return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 
 def _is_finite32(x: Any) -> bool:
@@ -159,6 +169,7 @@ class LossConfig:
                 return
             if not _is_finite32(v) or not ok(v):
                 raise bad(name, expected + " (finite in fp32: |x| <= 3.4e38)")
+            object.__setattr__(self, name, _plain(v))
 
         choice("policy", POLICIES)
         choice("ratio_level", RATIO_LEVELS)
@@ -189,9 +200,12 @@ class LossConfig:
         real("num_tokens", "None or a finite number > 0", lambda v: v > 0, optional=True)
         real("num_seqs", "None or a finite number > 0", lambda v: v > 0, optional=True)
         if self.max_len is not None and (
-            not isinstance(self.max_len, int) or isinstance(self.max_len, bool) or self.max_len < 1
+            not isinstance(self.max_len, numbers.Integral)
+            or isinstance(self.max_len, bool)
+            or self.max_len < 1
         ):
             raise bad("max_len", "None or an int >= 1")
+        object.__setattr__(self, "max_len", _plain(self.max_len))
         real("rollout_is_cap", "None or a finite number > 0", lambda v: v > 0.0, optional=True)
         if self.rollout_is is not None and self.rollout_is_cap is None:
             raise bad(

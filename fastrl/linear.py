@@ -51,7 +51,7 @@ from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
     linear_token_stats_backward,
 )
 from .config import LossConfig
-from .packing import check_cu_seqlens, make_packing
+from .packing import check_cu_seqlens, packing_for_rows
 from .terms import PolicyLossOutput, policy_output
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
@@ -214,7 +214,7 @@ def _check_linear_temperature(temperature, tokens: Tensor, cu_seqlens):
     B, T = (1, tokens.shape[0]) if flat else tuple(tokens.shape)
     packing = None
     if cu_seqlens is not None and temperature.dim() == 1:  # (S,) allowed: per sequence
-        packing = make_packing(cu_seqlens, T, tokens.device, max_seqlen=T)
+        packing = packing_for_rows(cu_seqlens, T, tokens.device)
     rows = check_temperature_rows(temperature, B, T, flat, tokens.device, packing)
     return 1.0, rows.reshape(-1)
 

@@ -30,7 +30,7 @@ from ._inputs import (
 )
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
-from .packing import check_cu_seqlens, make_packing
+from .packing import check_cu_seqlens, packing_for_rows
 from .terms import PolicyLossOutput, policy_output, policy_terms
 from .value import value_loss
 
@@ -74,7 +74,7 @@ def policy_loss(
                       contiguous (stride(-1) != 1) is copied first.
         tokens        (B, T) or (N,), int64 or int32, in [0, V). Checked on CPU tensors; on CUDA an
                       out-of-range token makes its logp (hence the loss) NaN, never a wrong number.
-        advantages    (B,), (B, T) or (N,)
+        advantages    (B,), (B, T), or (N,) / (1, N) with flat inputs
         old_logp, ref_logp, rollout_logp, mask: like tokens (mask bool or float, 1 = counts).
         config        a LossConfig, a preset name or None (= ppo); keyword `overrides` replace its
                       fields (num_tokens / num_seqs may be 0-dim tensors: no host sync).
@@ -84,7 +84,8 @@ def policy_loss(
                       on CPU tensors). A constant: no gradient flows to it (detached).
         cu_seqlens    (S + 1,) int, optional: the flat rows are S packed sequences, sequence i
                       being rows cu_seqlens[i]:cu_seqlens[i + 1] (padding-free batches); then
-                      `advantages` may be (S,) and every sequence-level option follows the
+                      `advantages` may be (S,) (N = S is refused unless each sequence is
+                      one row: pass (1, N) then) and every sequence-level option follows the
                       boundaries, equal to the padded (S, T) batch of the same sequences
                       (fastrl.packing). `max_seqlen` (the longest sequence) avoids reading
                       cu_seqlens on the host; seq-mean-token-sum-norm needs `max_len` here.
@@ -279,8 +280,7 @@ def logprobs(
     if isinstance(temperature, Tensor):
         packing = None
         if cu_seqlens is not None and temperature.dim() == 1:  # (S,) allowed: per sequence
-            # (max_seqlen = N bounds every sequence, so cu_seqlens is not read on the host)
-            packing = make_packing(cu_seqlens, T, logits.device, max_seqlen=T)
+            packing = packing_for_rows(cu_seqlens, T, logits.device)
         temperature = check_temperature_rows(temperature, B, T, flat, logits.device, packing)
     logp, ent = ops.token_logprobs(logits3, tokens2, temperature)
     if flat:

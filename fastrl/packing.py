@@ -125,3 +125,12 @@ def make_packing(
     seq_ids = torch.repeat_interleave(torch.arange(S, device=device), lengths, output_size=N)
     pos = torch.arange(N, device=device) - cu[:-1].index_select(0, seq_ids)
     return Packing(cu, max_seqlen, seq_ids, seq_ids * max_seqlen + pos)
+
+
+def packing_for_rows(cu_seqlens, N: int, device) -> Packing:
+    """`make_packing` where only `per_row` is needed, with no host read of an accelerator's
+    cu_seqlens: its max_seqlen is exact when cu_seqlens is on the CPU (outside torch.compile),
+    else the bound N (then `_inputs.packed_per_sequence` refuses an (N,) = (S,) tensor rather
+    than guess which it is)."""
+    exact = cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
+    return make_packing(cu_seqlens, N, device, max_seqlen=None if exact else N)

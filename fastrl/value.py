@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._inputs import check_float, check_mask, check_number, describe
-from .config import AGGS
+from .config import AGGS, _is_real
 from .terms import _positive_count, aggregate, masked_mean
 
 
@@ -37,7 +37,7 @@ def _check_count(name: str, count, values: Tensor) -> Tensor | float | None:
                 f"device {values.device} or the CPU"
             )
         return _positive_count(count.detach(), values.device)
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
+    if not _is_real(count):
         raise ValueError(
             f"{name} must be None, a finite number > 0 or a one-element real tensor, got "
             f"{type(count).__name__}"
@@ -60,7 +60,7 @@ def value_loss(
 
     values (B, T) or (N,), differentiable; old_values, returns like values (detached inputs);
     mask like values, bool or float (None = all count). `clip` = ε_v (None = no clipping).
-    `agg` is one of the four SPEC 5 aggregations; the `seq-mean-*` ones need (B, T) inputs.
+    `agg` is one of the SPEC 5 aggregations (AGGS); the `seq-mean-*` ones need (B, T) inputs.
     `max_len` is the constant of seq-mean-token-sum-norm (default T); `num_tokens` / `num_seqs`
     are the global counts of data-parallel ranks and accumulation steps, as in `policy_loss`
     (default: this batch's): a Python number must be finite and > 0 (ValueError otherwise); a
@@ -84,7 +84,7 @@ def value_loss(
         check_number("clip", clip, "None or a float >= 0", lambda c: c >= 0)
     if agg not in AGGS:
         raise ValueError(f"agg={agg!r}; expected one of {AGGS}")
-    if values.dim() == 1 and agg != "token-mean":
+    if values.dim() == 1 and agg.startswith("seq-mean"):
         raise ValueError(f"agg={agg!r} needs sequences: pass values of shape (B, T), not {shape}")
     if max_len is not None and (
         isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1

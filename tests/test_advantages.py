@@ -302,6 +302,13 @@ def test_overlong_penalty_hand_computed():
         fastrl.overlong_penalty(lengths, max_len=10, cache_len=11)
     with pytest.raises(ValueError, match="lengths"):
         fastrl.overlong_penalty(lengths[None], max_len=10, cache_len=4)
+    with pytest.raises(ValueError, match="factor must be a float >= 0"):
+        fastrl.overlong_penalty(lengths, max_len=10, cache_len=4, factor=float("nan"))
+    with pytest.raises(ValueError, match="factor must be a float >= 0"):
+        fastrl.overlong_penalty(lengths, max_len=10, cache_len=4, factor=-1.0)
+    # a non-finite length (float lengths) is NaN, never a finite penalty
+    odd = fastrl.overlong_penalty(torch.tensor([float("nan"), float("inf"), 8.0]), 10, 4, 0.5)
+    assert odd[:2].isnan().all() and odd[2] == -0.25
 
 
 def test_dynamic_sampling_filter_hand_computed():

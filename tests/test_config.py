@@ -141,6 +141,22 @@ def test_replace_revalidates():
         cfg.replace(bogus=1)
 
 
+def test_numpy_scalars_become_python_numbers():
+    """numpy's scalars (np.float64 is a float subclass) are accepted and stored as Python's int /
+    float: the custom ops rebuild the config from its repr, which 'np.float64(0.28)' was not."""
+    np = pytest.importorskip("numpy")
+    cfg = LossConfig.dapo(clip_high=np.float64(0.28), kl_coef=np.float32(0.5), max_len=np.int64(8))
+    assert type(cfg.clip_high) is float and cfg.clip_high == 0.28
+    assert type(cfg.kl_coef) is float and type(cfg.max_len) is int and cfg.max_len == 8
+    z = torch.randn(B, T, V, requires_grad=True)
+    y, adv, ref_logp = torch.randint(0, V, (B, T)), torch.randn(B, T), torch.randn(B, T) - 2
+    out = fastrl.policy_loss(z, y, adv, ref_logp=ref_logp, config=cfg, num_tokens=np.float64(6))
+    out.loss.backward()
+    assert torch.isfinite(z.grad).all()
+    with pytest.raises(ValueError, match="clip_high"):
+        LossConfig(clip_high=np.float64("nan"))
+
+
 # --------------------------------------------------------------------------- policy_loss inputs
 B, T, V = 2, 3, 5
 

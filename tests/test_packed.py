@@ -165,7 +165,9 @@ def test_bad_packed_inputs_name_the_argument():
     cu, p, q, adv = _batch()
     with pytest.raises(ValueError, match="rows must be flat"):
         fastrl.policy_loss(q["logits"], q["tokens"], adv, cu_seqlens=cu)
-    with pytest.raises(ValueError, match=r"advantages .*\(19,\) \(like tokens\) or \(6,\)"):
+    with pytest.raises(
+        ValueError, match=r"advantages .*\(19,\) or \(1, 19\) \(like tokens\) or \(6,\)"
+    ):
         fastrl.policy_loss(p["logits"], p["tokens"], torch.zeros(5), cu_seqlens=cu)
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm.*needs max_len"):
         fastrl.policy_loss(
@@ -177,6 +179,58 @@ def test_bad_packed_inputs_name_the_argument():
         fastrl.policy_loss(p["logits"], p["tokens"], torch.zeros(19), max_seqlen=2)
     with pytest.raises(ValueError, match=r"rewards must have shape \(6,\)"):
         fastrl.group_advantages(torch.zeros(4), 2, cu_seqlens=cu)
+
+
+def test_as_many_rows_as_sequences_is_read_exactly_or_refused():
+    """N == S: an (N,) tensor is one per row and one per sequence at once. With an empty sequence
+    the readings differ (here rows 0-1 are sequence 1): advantages and temperature of that shape
+    are refused on every entry, never guessed; (1, N) says one per row. With every sequence one
+    row the readings agree and (N,) is accepted."""
+    g = torch.Generator().manual_seed(7)
+    cu = torch.tensor([0, 0, 2])
+    logits, tokens = torch.randn(2, V, generator=g), torch.randint(0, V, (2,), generator=g)
+    hidden, weight = torch.randn(2, 4, generator=g), torch.randn(V, 4, generator=g)
+    adv = torch.tensor([1.0, -1.0])
+    tau = torch.tensor([2.0, 0.5])
+    refused = {
+        "policy_loss": lambda a: fastrl.policy_loss(logits, tokens, a, cu_seqlens=cu),
+        "from_logprobs": lambda a: fastrl.policy_loss_from_logprobs(
+            logits[:, 0], None, a, logits[:, 1], cu_seqlens=cu
+        ),
+        "fused_linear": lambda a: fastrl.fused_linear_policy_loss(
+            hidden, weight, tokens, a, cu_seqlens=cu
+        ),
+        "temperature": lambda t: fastrl.policy_loss(
+            logits, tokens, adv[None], cu_seqlens=cu, temperature=t
+        ),
+        "logprobs": lambda t: fastrl.logprobs(logits, tokens, temperature=t, cu_seqlens=cu),
+        "linear_logprobs": lambda t: fastrl.linear_logprobs(
+            hidden, weight, tokens, temperature=t, cu_seqlens=cu
+        ),
+    }
+    for name, call in refused.items():
+        arg = tau if name in ("temperature", "logprobs", "linear_logprobs") else adv
+        with pytest.raises(ValueError, match=r"\(2,\): one per row .* one per packed sequence"):
+            call(arg)
+        call(arg[None])  # (1, N): one per row
+    # (1, N) advantages and temperature against the padded (S, T) = (2, 2) batch
+    padded = dict(logits=torch.zeros(2, 2, V), tokens=torch.zeros(2, 2, dtype=torch.long))
+    padded["logits"][1], padded["tokens"][1] = logits, tokens
+    mask = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    z = logits.clone().requires_grad_()
+    out = fastrl.policy_loss(z, tokens, adv[None], cu_seqlens=cu, temperature=tau[None])
+    out.loss.backward()
+    zp = padded["logits"].clone().requires_grad_()
+    want = fastrl.policy_loss(zp, padded["tokens"], torch.stack([adv, adv]), mask=mask,
+                              temperature=torch.stack([tau, tau]))  # fmt: skip
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(z.grad, zp.grad[1], rtol=1e-6, atol=1e-7)
+    # every sequence one row: (N,) is both, and accepted
+    one_each = torch.tensor([0, 1, 2])
+    a = fastrl.policy_loss(logits, tokens, adv, cu_seqlens=one_each, temperature=tau)
+    b = fastrl.policy_loss(logits, tokens, adv[None], cu_seqlens=one_each, temperature=tau[None])
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
 
 
 def test_packed_under_torch_compile():

@@ -7,9 +7,9 @@ import torch
 
 import fastrl
 from fastrl import reference as ref
+from fastrl.config import AGGS
 from fastrl.value import value_loss
 
-AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 # dtype of the inputs -> tolerance of (loss, grad) against the fp32 reference on the same values
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
@@ -95,10 +95,20 @@ def test_value_loss_bad_input(kwargs, match):
         value_loss(**args)
 
 
-def test_value_loss_flat_needs_token_mean():
-    values, old_values, returns, _ = _inputs()
-    with pytest.raises(ValueError, match="agg"):
-        value_loss(values.reshape(-1), old_values.reshape(-1), returns.reshape(-1), agg=AGGS[1])
+@pytest.mark.parametrize("agg", AGGS)
+def test_value_loss_flat_takes_the_token_aggregations(agg):
+    """Flat (N,) values: token-mean and token-sum as on one (1, N) row; the seq-mean-* ones need
+    sequences and say so."""
+    values, old_values, returns, mask = _inputs()
+    flat = [t.detach().reshape(-1) for t in (values, old_values, returns, mask)]
+    if agg.startswith("seq-mean"):
+        with pytest.raises(ValueError, match=f"agg='{agg}' needs sequences"):
+            value_loss(*flat, agg=agg)
+        return
+    got = value_loss(*flat, agg=agg)
+    want = ref.value_loss(*[t[None] for t in flat], 0.2, agg)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
 
 
 def test_global_token_count():
