@@ -408,6 +408,9 @@ def _token_dloss_dlogp(
             )
         if kl_bias != 0:  # kl * r (token-level bias correction)
             d_kl = d_kl * r + kl * dr
+            if kl_est == 3:  # inside the clamp (dr = r) k3's sum is -x r: formed directly, as
+                # its two terms of size e^x r cancel (fastrl.terms._k3_times_ratio_slope)
+                d_kl = tl.where(dlr != 0.0, -x * r, d_kl)
         g += kl_coef * d_kl
     return g
 

@@ -153,6 +153,45 @@ def test_options(engine, name):
     assert_match(*out)
 
 
+def test_k3_bias_correction_far_from_the_reference(engine):
+    """k3 * r (token-level bias correction) where ref - logp = x reaches 30: inside the ratio's
+    clamp d(k3 r)/dlogp = (1 - e^x) r + (e^x - x - 1) r = -x r, two terms of size e^x r that
+    cancel. Summed in fp32 that gradient was off by up to 96 % of the largest entry (on a token
+    whose true one is 3e-2, 7.96); formed as -x r it matches float64 autograd of the formula, on
+    both backends, the one-pass kernel included, and the reference; also on a token outside the
+    clamp (|logp - old| > 20, where it is (1 - e^x) r)."""
+    device, _ = engine
+    B, T, V = 2, 5, 16
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, T, generator=g)
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, tokens[..., None])[..., 0]
+    shift = torch.tensor([[25.0, -25.0, 3.0, -3.0, 12.0], [0.5, -0.5, 30.0, -30.0, 28.0]])
+    old = (logp + shift / 10).float()
+    old[1, 4] = (logp[1, 4] + 24.0).float()  # log r = -24: outside the clamp
+    ref = (logp + shift).float()
+    cfg = LossConfig(kl_coef=0.1, kl_estimator="k3", kl_bias_correction=True)
+    z64 = logits.double().requires_grad_()
+    lp = torch.log_softmax(z64, -1).gather(-1, tokens[..., None])[..., 0]
+    r = torch.exp(torch.clamp(lp - old.double(), -20, 20))
+    pg = torch.maximum(-adv.double() * r, -adv.double() * r.clamp(0.8, 1.2))
+    # k3 r = e^x r - (x + 1) r, and inside the clamp e^x r = e^(ref - old), a constant: written
+    # so, float64's own autograd has no cancellation either (summed, it keeps ~1e-4 at x = 30)
+    x, log_r = ref.double() - lp, lp - old.double()
+    inside = log_r.abs() <= 20
+    e_x_r = torch.where(inside, torch.exp(ref.double() - old.double()), torch.exp(x) * r)
+    ((pg + 0.1 * (e_x_r - (x + 1) * r)).mean()).backward()
+    for name, fn in (("fastrl", fastrl.policy_loss), ("reference", R.policy_loss)):
+        on = device if name == "fastrl" else "cpu"
+        z = logits.clone().to(on).requires_grad_()
+        args = (tokens, adv, old, ref)
+        fn(z, *(t.to(on) for t in args), config=cfg).loss.backward()
+        # each row against its own scale (the rows' gradients span 1e-2 to 30)
+        err = (z.grad.double().cpu() - z64.grad).abs().amax(-1) / z64.grad.abs().amax(-1)
+        assert err.max() < 1e-5, f"{name}: a row's gradient off by {err.max():.1e} of its size"
+
+
 def test_tensor_counts(engine):
     """num_tokens / num_seqs as 0-dim tensors (all-reduced counts) give the same loss."""
     device, _ = engine
