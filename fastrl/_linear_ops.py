@@ -231,10 +231,12 @@ def linear_token_stats(
     softcap: float | None,
     chunk: int,
     temperature_rows: Tensor | None = None,
+    source: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for the
     rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed).
-    temperature_rows: None, or fp32 (N,) per-row tau replacing `temperature` (no gradient)."""
+    temperature_rows: None, or fp32 (N,) per-row tau replacing `temperature` (no gradient).
+    source: ops.SOURCE_KEY, unused here (it keys torch.compile's caches: fastrl._op_args)."""
     N = tokens.numel()
     active = _active_rows(mask, N, hidden.device)
     tau = temperature if temperature_rows is None else temperature_rows
@@ -245,7 +247,7 @@ def linear_token_stats(
 
 @linear_token_stats.register_fake
 def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk,
-      temperature_rows=None):  # fmt: skip
+      temperature_rows=None, source=""):  # fmt: skip
     N = tokens.numel()
     return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(3))
 
@@ -290,7 +292,9 @@ def _(hidden, weight, bias, tokens, mask, logp, lse, entropy, grad_logp, grad_en
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk, tau_rows = inputs
+    hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk, tau_rows, _ = (
+        inputs
+    )
     logp, entropy, lse = output
     ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, lse, entropy, tau_rows)
     ctx.args = (temperature, logit_scale, softcap, chunk)
@@ -320,7 +324,7 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
             tau_rows,
         )
     return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
-            None, None, None)  # fmt: skip
+            None, None, None, None)  # fmt: skip
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)

@@ -11,12 +11,34 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
+from pathlib import Path
 
 from torch import Tensor
 
 from ._inputs import PolicyInputs
 from .config import LossConfig
 from .packing import make_packing
+
+
+def _source_key() -> str:
+    """A hash of fastrl's Python source (every .py under the package), 16 hex digits.
+
+    The ops whose backward is registered with `register_autograd` (fastrl::token_logprobs,
+    fastrl::linear_token_stats) take it as a constant argument. torch.compile's AOTAutograd
+    cache keys a compiled forward + backward on the traced forward graph alone, where such an op
+    is one call: after an upgrade of fastrl that changed its backward, a warm cache (e.g.
+    /tmp/torchinductor_$USER) handed back the old backward (a schema error, or a silently
+    different gradient). With the key in the forward graph, new source means a new entry."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+SOURCE_KEY = _source_key()
 
 
 def config_key(cfg) -> str:

@@ -200,6 +200,7 @@ def linear_logprobs(
         logp, ent, _ = linear_token_stats(
             hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
             None if softcap is None else float(softcap), chunk_size or default_chunk(V), tau_rows,
+            ops.SOURCE_KEY,
         )  # fmt: skip
     logp, ent = logp.view(tokens.shape), ent.view(tokens.shape)
     return (logp, ent) if entropy else logp
@@ -342,7 +343,7 @@ def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wan
         tau_rows = None if x.temperature_rows is None else x.temperature_rows.reshape(-1)
         logp, entropy, _ = linear_token_stats(
             hidden, weight, bias, flat_tokens, x.mask.reshape(-1), x.config.temperature, scale,
-            cap, chunk, tau_rows,
+            cap, chunk, tau_rows, ops.SOURCE_KEY,
         )  # fmt: skip
         logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
     with torch.no_grad():

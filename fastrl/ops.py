@@ -62,6 +62,7 @@ from torch import Tensor
 from . import chunked
 from ._op_args import (  # noqa: F401 (the ops' argument helpers, used as ops.<name>)
     POLICY_ARGS_SCHEMA,
+    SOURCE_KEY,
     config_from_key,
     config_key,
     flat_inputs,
@@ -176,21 +177,23 @@ def _token_logprobs_op(
     temperature: float,
     inplace: bool,
     temperature_rows: Tensor | None = None,
+    source: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse) fp32 (B, T) of logits (B, T, V); `inplace` is read by the backward
     only (the gradient overwrites the logits). temperature_rows: None, or fp32 (B, T) per-row
-    temperatures replacing `temperature` (a constant: no gradient)."""
+    temperatures replacing `temperature` (a constant: no gradient). source: SOURCE_KEY, unused
+    here (it keys torch.compile's caches to this version of the backward: _op_args)."""
     return _row_stats(logits, tokens, temperature, temperature_rows)
 
 
 @_token_logprobs_op.register_fake
-def _(logits, tokens, temperature, inplace, temperature_rows=None):
+def _(logits, tokens, temperature, inplace, temperature_rows=None, source=""):
     B, T, _ = logits.shape
     return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):
-    logits, tokens, temperature, inplace, temperature_rows = inputs
+    logits, tokens, temperature, inplace, temperature_rows, _ = inputs
     logp, entropy, lse = output
     ctx.save_for_backward(logits, tokens, logp, lse, entropy, temperature_rows)
     ctx.temperature = temperature
@@ -219,8 +222,8 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     if ctx.inplace:
         token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)
-        return logits.detach(), None, None, None, None
-    return token_stats_grad(*args), None, None, None, None
+        return logits.detach(), None, None, None, None, None
+    return token_stats_grad(*args), None, None, None, None, None
 
 
 _token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -242,9 +245,11 @@ def token_logprobs(
     if isinstance(temperature, Tensor):  # (B, T) per token, or () for all
         rows = temperature.detach().float()
         rows = rows.expand(tokens.shape) if rows.dim() == 0 else rows.reshape(tokens.shape)
-        logp, entropy, _ = _token_logprobs_op(logits, tokens, 1.0, bool(inplace), rows)
+        logp, entropy, _ = _token_logprobs_op(logits, tokens, 1.0, bool(inplace), rows, SOURCE_KEY)
     else:
-        logp, entropy, _ = _token_logprobs_op(logits, tokens, float(temperature), bool(inplace))
+        logp, entropy, _ = _token_logprobs_op(
+            logits, tokens, float(temperature), bool(inplace), None, SOURCE_KEY
+        )
     return logp, entropy
 
 

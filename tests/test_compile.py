@@ -153,3 +153,52 @@ def test_custom_ops_registered_with_fake_impls():
             fake, torch.zeros(4, 5, dtype=torch.long), 1.0, False
         )
         assert logp.shape == (4, 5) and logp.dtype == torch.float32
+
+
+_NEW_BACKWARD = """
+import sys, torch, fastrl
+from fastrl import _linear_ops, ops
+torch.set_num_threads(1)
+if sys.argv[1] == "new":  # another fastrl: its backward doubles the gradient, its source differs
+    ops.SOURCE_KEY = "another-version"
+    for op, setup, backward in ((ops._token_logprobs_op, ops._setup_context, ops._backward),
+                                (_linear_ops.linear_token_stats, _linear_ops._setup_context,
+                                 _linear_ops._backward)):
+        def doubled(ctx, *grads, backward=backward):
+            first, *rest = backward(ctx, *grads)
+            return (2 * first, *rest)
+        op.register_autograd(doubled, setup_context=setup)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 3, 8, generator=g, requires_grad=True)
+w = torch.eye(8)
+y = torch.randint(0, 8, (2, 3), generator=g)
+for f in (lambda x: fastrl.logprobs(x, y).sum(), lambda x: fastrl.linear_logprobs(x, w, y).sum()):
+    torch.compile(f, fullgraph=True)(x).backward()
+    compiled, x.grad = x.grad, None
+    f(x).backward()
+    print((compiled / x.grad).nanmean().item())
+    x.grad = None
+"""
+
+
+def test_a_warm_compile_cache_never_hands_back_another_versions_backward(tmp_path):
+    """torch.compile's AOTAutograd cache keys a compiled forward + backward on the traced forward
+    graph only, where fastrl::token_logprobs / fastrl::linear_token_stats are one call each: a
+    fastrl whose backward changed got the old one back from a warm cache (an upgrade with
+    /tmp/torchinductor_$USER kept). The ops take a hash of fastrl's source (ops.SOURCE_KEY) as an
+    argument: here a second process with another backward and another key, on the first one's
+    cache directory, computes its own gradient (compiled / eager = 1, not 0.5)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_NEW_BACKWARD)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    for version in ("old", "new"):
+        proc = subprocess.run([sys.executable, str(script), version], env=env, timeout=300,
+                              capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        ratios = [float(line) for line in proc.stdout.split()]
+        assert ratios == [1.0, 1.0], (version, ratios)
+    assert len(ops.SOURCE_KEY) == 16 and ops.SOURCE_KEY != "another-version"
