@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from ._inputs import check_float, check_mask, check_number, describe
-from .config import FP32_MAX
 
 WHITEN_EPS = 1e-8  # SPEC 7
 _SCALES = ("group", "batch", "none")
@@ -180,8 +179,7 @@ def group_advantages(
         )
     elif scale not in _SCALES:
         raise ValueError(f"scale={scale!r}; expected one of {_SCALES}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= FP32_MAX:
-        raise ValueError(f"eps must be a number >= 0, finite in fp32 (added to σ), got {eps!r}")
+    eps = check_number("eps", eps, "a number >= 0 (added to σ)", lambda e: e >= 0)
     if mask is not None and estimator != "reinforce++":
         raise ValueError(
             f"mask is read only by estimator='reinforce++' (its token whitening); "
