@@ -10,7 +10,7 @@ import math
 import subprocess
 
 import pytest
-from bench_run import run_bench
+from bench_run import assert_measures_cover, run_bench
 
 METHODS = {"fastrl-padded", "fastrl-packed", "trl-eager-padded", "trl-eager-packed"}
 
@@ -24,8 +24,15 @@ def quick(tmp_path_factory):
     pytest.importorskip("trl")
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench_packed")
-    _run("--quick", "--no-progress", "--out", str(out))
+    run_bench("bench_packed.py", "--quick", "--no-progress", "--out", str(out), trace=out / "trace")
     return out
+
+
+def test_staleness_covers_the_code_it_runs(quick):
+    """report.MEASURES names every library file the traced --quick run executes."""
+    meta = json.loads((quick / "bench_packed_cpu.json").read_text())["meta"]
+    executed = assert_measures_cover("bench_packed", "bench_packed_cpu", meta, quick / "trace")
+    assert "fastrl/packing.py" in executed
 
 
 def test_help_explains_the_options():

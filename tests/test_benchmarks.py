@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_run import load_bench, run_bench
+from bench_run import assert_measures_cover, load_bench, run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -36,9 +36,34 @@ def quick_results(tmp_path_factory):
     tens of seconds, see the slow test) into one folder."""
     out = tmp_path_factory.mktemp("bench")
     common = ["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out)]
-    _run("bench_policy_loss.py", *common, "--no-compile")
-    _run("bench_fused_linear.py", *common, "--no-liger")
+    _run("bench_policy_loss.py", *common, "--no-compile", trace=out / "bench_policy_loss.trace")
+    _run("bench_fused_linear.py", *common, "--no-liger", trace=out / "bench_fused_linear.trace")
     return out
+
+
+@pytest.mark.parametrize("bench", ["bench_policy_loss", "bench_fused_linear"])
+def test_staleness_covers_the_code_the_loss_benchmarks_run(quick_results, bench):
+    """report.MEASURES names every library file the benchmark executes (traced --quick run), so
+    a change to any of them marks its table stale."""
+    meta = _load(quick_results / f"{bench}_cpu.json")["meta"]
+    executed = assert_measures_cover(bench, f"{bench}_cpu", meta, quick_results / f"{bench}.trace")
+    assert {"fastrl/ops.py", "fastrl/terms.py", "fastrl/chunked.py"} <= set(executed)
+
+
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("bench_gae.py", ["--B", "16", "--T", "64", "--rep", "2", "--loop-rep", "1", "--no-verl"]),
+        ("bench_sample.py", ["--N", "8", "--V", "64", "--rep", "2"]),
+    ],
+)
+def test_staleness_covers_the_code_gae_and_sample_run(tmp_path, script, args):
+    """The same for bench_gae.py and bench_sample.py, on tiny shapes."""
+    bench = script.removesuffix(".py")
+    _run(script, *args, "--out", str(tmp_path), trace=tmp_path / "trace")
+    meta = _load(tmp_path / f"{bench}_cpu.json")["meta"]
+    executed = assert_measures_cover(bench, f"{bench}_cpu", meta, tmp_path / "trace")
+    assert f"fastrl/{bench.removeprefix('bench_').replace('sample', 'sampling')}.py" in executed
 
 
 def test_help_explains_the_options():
