@@ -375,6 +375,7 @@ _NOT_LOSS_OPS += ["kernels/gae.py", "kernels/sampling.py"]
 _LIBRARY = [
     ":(glob)fastrl/*.py", ":(glob)kernels/*.py", *(f":(exclude){p}" for p in _NOT_LOSS_OPS)
 ]  # fmt: skip
+_TRAINER = ["fastrl", "kernels", ":(exclude)fastrl/integrations"]
 MEASURES = {
     "bench_policy_loss": [*_LIBRARY, "benchmarks/bench_policy_loss.py"],
     "bench_fused_linear": [*_LIBRARY, "benchmarks/bench_fused_linear.py"],
@@ -389,11 +390,13 @@ MEASURES = {
         ":(glob)kernels/s*.py",
         "benchmarks/bench_sample.py",
     ],
-    "train_summary": ["fastrl", "kernels", "benchmarks/bench_train.py"],
+    # the trainer: the whole library but the TRL / verl drop-ins, which it never imports
+    # (tests/test_benchmarks.py checks that)
+    "train_summary": [*_TRAINER, "benchmarks/bench_train.py"],
     # the trainers it runs (a change to the harness's reporting or its ablation list leaves the
     # side-by-side runs as they were; one to their settings changes settings() in the file)
-    "learning_vs_trl": ["fastrl", "kernels"],
-    "learning": ["fastrl", "kernels", "benchmarks/bench_learning.py"],
+    "learning_vs_trl": _TRAINER,
+    "learning": [*_TRAINER, "benchmarks/bench_learning.py"],
     "bench_packed": [*_LIBRARY, "benchmarks/bench_packed.py"],
     "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py"],
 }

@@ -52,3 +52,17 @@ def test_the_trainer_lives_in_its_house():
     for name in ("rollout", "tasks", "rewards", "checkpoint", "trainer"):
         assert not (ROOT / "fastrl" / f"{name}.py").exists(), name
         assert (ROOT / "fastrl" / "train" / f"{name}.py").exists(), name
+
+
+def test_the_trainer_never_imports_the_drop_ins():
+    """fastrl/train/, the CLI and the loss library never import the TRL / verl drop-ins
+    (fastrl/integrations/), nor do the trainer's benchmarks: benchmarks/report.py leaves
+    fastrl/integrations out of the code the trainer tables measure."""
+    modules = [p for p in (ROOT / "fastrl").rglob("*.py") if "integrations" not in p.parts]
+    offenders = [
+        str(p.relative_to(ROOT)) for p in modules
+        if any(m.startswith("fastrl.integrations") for m in _imports(p))
+    ]  # fmt: skip
+    benches = ["bench_train.py", "bench_learning.py", "_trl_learning.py", "_common.py"]
+    offenders += [b for b in benches if "integrations" in (ROOT / "benchmarks" / b).read_text()]
+    assert not offenders, f"importing fastrl.integrations: {offenders}"
