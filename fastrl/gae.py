@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._inputs import check_float, check_mask
+from ._inputs import check_float, check_mask, check_number
 from .advantages import WHITEN_EPS, _check_finite
 from .advantages import whiten as _whiten  # `gae` has an argument named `whiten`
 from .chunked import run_chunks
@@ -200,10 +200,10 @@ def gae(
         )
     rewards, values = rewards.detach(), values.detach()
     mask = check_mask("mask", mask, rewards.shape, rewards.device, as_float=False)
-    for name, val in (("gamma", gamma), ("lam", lam)):
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 <= val <= 1:
-            raise ValueError(f"{name} must be a float in [0, 1], got {val!r}")
-    gamma, lam = float(gamma), float(lam)
+    gamma, lam = (
+        check_number(name, val, "a float in [0, 1]", lambda v: 0 <= v <= 1)
+        for name, val in (("gamma", gamma), ("lam", lam))
+    )  # Python floats, numpy's scalars included
     if check:
         counted = mask if mask.dtype == torch.bool else mask != 0
         _check_finite("rewards", rewards, counted)

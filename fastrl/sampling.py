@@ -31,6 +31,8 @@ the two backends draw different noise.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -43,7 +45,9 @@ _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when th
 _FLT_LOWEST = torch.finfo(torch.float32).min
 
 
-def _validate(logits, temperature, top_k, top_p, generator) -> None:
+def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None, float | None]:
+    """Raise a ValueError naming the first bad argument; else (top_k, top_p) as Python's own
+    int / float or None (numpy's scalars are accepted)."""
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in _FLOAT_DTYPES:
         got = (
             f"shape {tuple(logits.shape)} and dtype {logits.dtype}"
@@ -58,14 +62,15 @@ def _validate(logits, temperature, top_k, top_p, generator) -> None:
     else:
         expected = "a float >= 0 (0 = greedy) or a tensor (N,) of per-row temperatures > 0"
         check_number("temperature", temperature, expected, lambda t: t >= 0)
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
-    ):
-        raise ValueError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+        top_k = int(top_k)
+    if top_p is not None:
+        top_p = check_number("top_p", top_p, "a float in (0, 1] or None", lambda p: 0 < p <= 1)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator)}")
+    return top_k, top_p
 
 
 def _check_temperature_rows(temperature: Tensor, logits: Tensor) -> None:
@@ -215,7 +220,7 @@ def sample(
     for all rows). Returns tokens (N,) int64, logp (N,) fp32 (log-prob of the token under the
     distribution sampled) and entropy (N,) fp32 (of that distribution). See the module
     docstring."""
-    _validate(logits, temperature, top_k, top_p, generator)
+    top_k, top_p = _validate(logits, temperature, top_k, top_p, generator)
     if isinstance(temperature, Tensor):
         greedy = False
         temperature = _row_tau(temperature, logits.shape[0], logits.device)

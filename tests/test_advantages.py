@@ -157,6 +157,18 @@ def test_gae_bad_input(kwargs, match):
         fastrl.gae(**args)
 
 
+def test_gae_numpy_scalars():
+    """gamma / lam as numpy scalars give the same result as Python floats."""
+    np = pytest.importorskip("numpy")
+    rewards, values, mask = _inputs(3, 11, 0.8)
+    got = fastrl.gae(rewards, values, mask, gamma=np.float64(0.9), lam=np.float64(0.95))
+    want = fastrl.gae(rewards, values, mask, gamma=0.9, lam=0.95)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gamma"):
+        fastrl.gae(rewards, values, mask, gamma=np.float64(1.5))
+
+
 # --------------------------------------------------------------------------- Triton GAE kernel
 @pytest.mark.parametrize("T,block_t", [(1, 16), (13, 16), (50, 16), (70, 32)])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])

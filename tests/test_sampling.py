@@ -162,6 +162,21 @@ def test_sample_bad_input(kwargs, match):
         fastrl.sample(**args)
 
 
+def test_numpy_scalars_for_top_k_and_top_p():
+    """top_k / top_p as numpy scalars sample exactly as Python's int / float; a non-integral
+    top_k is still refused."""
+    np = pytest.importorskip("numpy")
+    logits = torch.randn(6, 40)
+    draws = [
+        fastrl.sample(logits, 0.8, k, p, generator=torch.Generator().manual_seed(1))
+        for k, p in ((np.int64(5), np.float64(0.9)), (5, 0.9))
+    ]
+    for got, want in zip(*draws):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="top_k"):
+        fastrl.sample(logits, top_k=np.float64(5))
+
+
 # --------------------------------------------------------------------------- Triton (interpreter)
 @pytest.fixture
 def triton_backend(monkeypatch):
