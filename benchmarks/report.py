@@ -368,20 +368,28 @@ def _training(data: dict) -> list[str]:
 # The code each results file measures (git pathspecs): a table whose file was recorded at a commit
 # older than the last change to these paths is marked stale. `fastrl/*.py` is the loss library's
 # top level (the trainer lives in fastrl/train/), less the ops the loss benchmarks never run (the
-# sampler, gae, the value loss, the CLI). The smoke tests run each loss benchmark under
-# tests/trace_calls.py and check that these paths name every library file it executes.
+# sampler, gae, the advantage estimators, the value loss, the CLI). The smoke tests run each loss
+# benchmark under tests/trace_calls.py and check that these paths name every library file it
+# executes.
 _NOT_LOSS_OPS = ["fastrl/gae.py", "fastrl/sampling.py", "fastrl/value.py", "fastrl/cli.py"]
-_NOT_LOSS_OPS += ["kernels/gae.py", "kernels/sampling.py"]
-_LIBRARY = [
-    ":(glob)fastrl/*.py", ":(glob)kernels/*.py", *(f":(exclude){p}" for p in _NOT_LOSS_OPS)
-]  # fmt: skip
+_NOT_LOSS_OPS += ["fastrl/advantages.py", "kernels/gae.py", "kernels/sampling.py"]
+
+
+def _library(*keep: str) -> list[str]:
+    """The loss library's pathspecs, keeping the modules `keep` of _NOT_LOSS_OPS (a git
+    exclude would win over any include of the same path)."""
+    drop = [f":(exclude){p}" for p in _NOT_LOSS_OPS if p not in keep]
+    return [":(glob)fastrl/*.py", ":(glob)kernels/*.py", *drop]
+
+
+_LIBRARY = _library()
 _TRAINER = ["fastrl", "kernels", ":(exclude)fastrl/integrations"]
 MEASURES = {
     "bench_policy_loss": [*_LIBRARY, "benchmarks/bench_policy_loss.py"],
     "bench_fused_linear": [*_LIBRARY, "benchmarks/bench_fused_linear.py"],
     # (the input checks, the CPU thread pool and the backend choice are shared with the losses)
     "bench_gae": [
-        *(f"fastrl/{m}.py" for m in ("_inputs", "chunked", "ops", "advantages", "gae")),
+        *(f"fastrl/{m}.py" for m in ("_inputs", "config", "chunked", "ops", "advantages", "gae")),
         "kernels/gae.py",
         "benchmarks/bench_gae.py",
     ],
@@ -397,7 +405,8 @@ MEASURES = {
     # side-by-side runs as they were; one to their settings changes settings() in the file)
     "learning_vs_trl": _TRAINER,
     "learning": [*_TRAINER, "benchmarks/bench_learning.py"],
-    "bench_packed": [*_LIBRARY, "benchmarks/bench_packed.py"],
+    # (its inputs' advantages come from group_advantages)
+    "bench_packed": [*_library("fastrl/advantages.py"), "benchmarks/bench_packed.py"],
     "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py"],
 }
 

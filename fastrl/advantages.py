@@ -120,7 +120,7 @@ def _group_index(rewards: Tensor, group_size, group_ids) -> tuple[Tensor, int]:
         return dense, B
     if (
         isinstance(group_size, bool)
-        or not isinstance(group_size, int)
+        or not isinstance(group_size, numbers.Integral)  # numpy's integers too
         or group_size < 1
         or B % group_size
     ):
@@ -128,6 +128,7 @@ def _group_index(rewards: Tensor, group_size, group_ids) -> tuple[Tensor, int]:
             f"group_size={group_size!r} must be an int >= 1 that divides the batch size {B} "
             "(or pass group_ids)"
         )
+    group_size = int(group_size)
     return torch.arange(B, device=rewards.device) // group_size, B // group_size
 
 

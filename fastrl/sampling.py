@@ -10,11 +10,18 @@ support get z' = -inf; this needs a sort: a second pass), and logp / entropy are
 temperature = 0 is greedy: argmax token, logp and entropy under τ = 1 (top-k / top-p do not
 change the argmax and are ignored then).
 
+A small τ: the PyTorch path and the top-k / top-p copy divide max-shifted logits, (z - max z) / τ
+(the same softmax), so any τ >= 2.94e-39 (1 / τ finite in fp32, the smallest taken) samples
+exactly. The kernel multiplies by 1 / τ in its single pass: there |z| / τ must stay finite in
+fp32 (|z| <= 3.4e38 τ), else that row's logp / entropy are NaN (never a silent value); for the
+τ -> 0 limit pass temperature = 0 (greedy).
+
 Per-row temperature: `temperature` may be a tensor (N,) (one τ_r per row, e.g. per request of a
-batch) or () (one for all rows), any float dtype (used in fp32), every value finite and > 0
-(checked on CPU tensors outside torch.compile; greedy is the scalar 0 only). Row r is then drawn
-from softmax(z_r / τ_r) (truncated by top-k / top-p as above, after the division), and its logp
-and entropy are under that distribution: the same as sampling each row alone with its τ_r.
+batch) or () (one for all rows), any float dtype (used in fp32), every value finite and
+>= 2.94e-39 (checked on CPU tensors outside torch.compile; greedy is the scalar 0 only). Row r is
+then drawn from softmax(z_r / τ_r) (truncated by top-k / top-p as above, after the division),
+and its logp and entropy are under that distribution: the same as sampling each row alone with
+its τ_r.
 
 Non-finite logits: -inf entries have probability 0 (never sampled, no contribution to H). A row
 holding any NaN logit returns logp = NaN and entropy = NaN on every backend (the NaN is never
@@ -37,12 +44,15 @@ import torch
 from torch import Tensor
 
 from ._inputs import check_number
+from .config import FP32_MAX
 from .ops import backend_for
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
 _FLT_LOWEST = torch.finfo(torch.float32).min
+# The smallest temperature taken: the kernel multiplies by 1 / τ in fp32, which must be finite.
+_TAU_MIN = 1.0 / FP32_MAX  # 2.94e-39
 
 
 def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None, float | None]:
@@ -60,8 +70,11 @@ def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None,
     if isinstance(temperature, Tensor):
         _check_temperature_rows(temperature, logits)
     else:
-        expected = "a float >= 0 (0 = greedy) or a tensor (N,) of per-row temperatures > 0"
-        check_number("temperature", temperature, expected, lambda t: t >= 0)
+        expected = (
+            f"0 (greedy), a float >= {_TAU_MIN:.3g} (1 / τ finite in fp32) or a tensor (N,) of "
+            "per-row temperatures"
+        )
+        check_number("temperature", temperature, expected, lambda t: t == 0 or t >= _TAU_MIN)
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
             raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
@@ -88,12 +101,22 @@ def _check_temperature_rows(temperature: Tensor, logits: Tensor) -> None:
         )
     if temperature.device.type == "cpu" and not torch.compiler.is_compiling():
         t = temperature.detach()
-        bad = ~torch.isfinite(t) | (t <= 0)
+        bad = ~torch.isfinite(t) | (t < _TAU_MIN)
         if bool(bad.any()):
             raise ValueError(
-                f"temperature must hold finite values > 0 (greedy is the float 0); the tensor of "
-                f"shape {tuple(t.shape)} holds {int(bad.sum())} that are not"
+                f"temperature must hold finite values >= {_TAU_MIN:.3g} (1 / τ finite in fp32; "
+                f"greedy is the float 0); the tensor of shape {tuple(t.shape)} holds "
+                f"{int(bad.sum())} that are not"
             )
+
+
+def _scaled(z: Tensor, tau: float | Tensor) -> Tensor:
+    """z' = z / τ (a new fp32 tensor; τ a float or (n, 1)) formed as (z - m) / τ with m the row
+    max of z where finite: the same softmax, and no overflow to inf at a tiny τ (z' <= 0; the
+    entries that reach -inf have probability 0 in fp32 anyway). Rows without a finite max (NaN,
+    +inf, all -inf) are divided as they are."""
+    m = z.amax(-1, keepdim=True)
+    return (z - torch.where(torch.isfinite(m), m, 0.0)).div_(tau)
 
 
 def _row_tau(temperature: Tensor, N: int, device) -> Tensor:
@@ -175,9 +198,9 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
         e = min(N, s + rows)
         z = logits[s:e].float()
         if isinstance(temperature, Tensor):
-            z = z / temperature[s:e, None]  # z' = z / τ_r, row by row
+            z = _scaled(z, temperature[s:e, None])  # z' = z / τ_r, row by row
         elif temperature != 1.0:
-            z = z / temperature
+            z = _scaled(z, temperature)
         if truncate:
             z = truncate_logits(z, top_k, top_p)
         if greedy:
@@ -237,7 +260,7 @@ def sample(
     z = logits
     if truncate:  # the (N, V) truncated copy (fp32) for the kernel
         tau = temperature[:, None] if isinstance(temperature, Tensor) else temperature
-        z = truncate_logits(logits.float() / tau, top_k, top_p)
+        z = truncate_logits(_scaled(logits.float(), tau), top_k, top_p)
         temperature = 1.0
     from .kernels.sampling import sample_rows
 

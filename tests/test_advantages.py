@@ -169,6 +169,15 @@ def test_gae_numpy_scalars():
         fastrl.gae(rewards, values, mask, gamma=np.float64(1.5))
 
 
+def test_group_advantages_numpy_group_size():
+    np = pytest.importorskip("numpy")
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    got = fastrl.group_advantages(rewards, group_size=np.int64(3))
+    torch.testing.assert_close(got, fastrl.group_advantages(rewards, group_size=3), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="group_size"):
+        fastrl.group_advantages(rewards, group_size=np.float64(3))
+
+
 # --------------------------------------------------------------------------- Triton GAE kernel
 @pytest.mark.parametrize("T,block_t", [(1, 16), (13, 16), (50, 16), (70, 32)])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])

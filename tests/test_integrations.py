@@ -96,6 +96,7 @@ def test_vllm_importance_sampling(tmp_path):
         (dict(loss_type="vespo"), "loss_type"),
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
         (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),  # TRL: the top token only
         (dict(loss_type="cispo", epsilon_high=0.28), "epsilon_high"),
         (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef"),
         (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef"),

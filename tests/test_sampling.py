@@ -1,6 +1,7 @@
 """fastrl.sample (SPEC 10): the sampled distribution (chi-square), logp / entropy against
 log_softmax, truncation, reproducibility, the Triton kernel under the interpreter, bad input."""
 
+import math
 import os
 
 import pytest
@@ -149,6 +150,8 @@ def test_non_contiguous_rows_and_chunking(monkeypatch):
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=1e39), "temperature"),  # inf in fp32: z / inf = 0, a uniform draw
+        (dict(temperature=1e-39), "temperature"),  # 1 / τ is inf in fp32
+        (dict(temperature=torch.tensor([0.5, 1e-39])), "temperature"),
         (dict(top_k=0), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
@@ -160,6 +163,20 @@ def test_sample_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         fastrl.sample(**args)
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_a_tiny_temperature_samples_the_argmax_exactly(top_k):
+    """τ down to 3e-39 with logits whose z / τ overflows fp32: the PyTorch path divides
+    max-shifted logits, so it draws the argmax with logp = H = 0 (not NaN and token 0), per-row
+    τ too; a row of ties stays uniform over them."""
+    logits = torch.tensor([[10.0, 30.0, 20.0], [5.0, 5.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    for tau in (1e-37, 3e-39, torch.tensor([1e-37, 3e-39])):
+        tokens, logp, entropy = fastrl.sample(logits, tau, top_k=top_k, generator=g)
+        assert tokens[0] == 1 and tokens[1] in (0, 1)
+        torch.testing.assert_close(logp, torch.tensor([0.0, -math.log(2)]))
+        torch.testing.assert_close(entropy, torch.tensor([0.0, math.log(2)]))
 
 
 def test_numpy_scalars_for_top_k_and_top_p():

@@ -189,6 +189,7 @@ def test_bf16_three_steps_as_trl(device, run, model_dir, tmp_path, monkeypatch):
     [
         (dict(loss_type="vespo"), "loss_type"),
         (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),  # TRL: the top token only
         (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
         (dict(loss_type="cispo", epsilon_high=0.28), "epsilon_high"),
     ],

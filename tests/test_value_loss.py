@@ -23,6 +23,15 @@ def _inputs(B=4, T=9, dtype=torch.float32, seed=0):
     return values, old_values, returns, mask
 
 
+def test_value_loss_numpy_max_len():
+    np = pytest.importorskip("numpy")
+    values, old_values, returns, mask = _inputs()
+    agg = "seq-mean-token-sum-norm"
+    got = value_loss(values, old_values, returns, mask, 0.2, agg, max_len=np.int64(12))
+    want = value_loss(values, old_values, returns, mask, 0.2, agg, max_len=12)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("clip", [0.2, 0.0, None, 5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,6 +94,7 @@ def test_value_loss_flat_and_empty_mask():
         (dict(clip=1e300), "clip"),  # inf in fp32: the clamp could not convert it
         (dict(num_tokens=1e39), "num_tokens"),
         (dict(agg="mean"), "agg"),
+        (dict(agg="seq-mean-token-sum-norm", max_len=2.0), "max_len"),
     ],
 )
 def test_value_loss_bad_input(kwargs, match):

@@ -109,6 +109,40 @@ def test_refused_loss_modes():
             fastrl_verl.loss_config_from_verl({"policy_loss": {"loss_mode": mode}})
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("mode", ["sapo", "vanilla"])
+def test_loss_config_from_verl_with_kl_and_entropy(mode, agg):
+    """`loss_config_from_verl` with use_kl_loss and entropy_coeff: fastrl's loss equals verl's
+    policy term + entropy and KL terms, each aggregated as verl's ppo_loss does (its own
+    functions). verl's sapo policy term ignores loss_agg_mode while its KL and entropy terms
+    follow it; one LossConfig.agg cannot say both, so sapo with another agg is refused."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 8
+    logp = (torch.randn(B, T, generator=g) * 0.5 - 2).requires_grad_()
+    ent = (torch.rand(B, T, generator=g) * 2).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(B, T, generator=g)
+    ref = logp.detach() + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 2:] = False
+    mask[1, 5:] = False
+    actor = actor_config(mode, loss_agg_mode=agg, use_kl_loss=True, kl_loss_coef=0.5,
+                         kl_loss_type="low_var_kl", entropy_coeff=0.1)  # fmt: skip
+    if mode == "sapo" and agg != "seq-mean-token-mean":
+        with pytest.raises(ValueError, match="loss_agg_mode"):
+            fastrl_verl.loss_config_from_verl(actor)
+        return
+    pg, _ = core_algos.get_policy_loss_fn(mode)(
+        old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
+        loss_agg_mode=agg, config=actor,
+    )  # fmt: skip
+    kl = core_algos.agg_loss(core_algos.kl_penalty(logp, ref, "low_var_kl"), mask, agg)
+    want = pg - 0.1 * core_algos.agg_loss(ent, mask, agg) + 0.5 * kl
+    cfg = fastrl_verl.loss_config_from_verl(actor)
+    got = fastrl.policy_loss_from_logprobs(logp, ent, adv, old, ref, mask, config=cfg).loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_kernels_routed_to_fastrl(installed, monkeypatch):
     calls = []
     for name in ("logprobs", "linear_logprobs"):

@@ -50,7 +50,8 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
             get("off_policy_mask_threshold"),
             "SPEC has no off-policy sequence mask (DeepSeek-V3.2's KL-thresholded drop)",
         )
-    if (get("top_entropy_quantile", 1.0) or 1.0) < 1.0:
+    quantile = get("top_entropy_quantile", 1.0)
+    if quantile is not None and quantile < 1.0:  # 0.0 too: TRL then keeps the top token only
         raise _unsupported(
             "top_entropy_quantile",
             get("top_entropy_quantile"),

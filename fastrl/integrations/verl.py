@@ -147,6 +147,17 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
         fields.update(kl_coef=float(_get(actor, "kl_loss_coef", 0.001)),
                       kl_estimator=_KL_TYPES[kl_type])  # fmt: skip
     fields.update(overrides)
+    extra = {k: fields[k] for k in ("kl_coef", "entropy_coef") if fields.get(k)}
+    if mode == "sapo" and agg != "seq-mean-token-mean" and extra and "agg" not in overrides:
+        # verl's ppo_loss aggregates its KL and entropy terms with loss_agg_mode, and only the
+        # sapo policy term with seq-mean-token-mean: one LossConfig.agg cannot say both
+        raise ValueError(
+            f"verl's sapo loss with loss_agg_mode={agg!r} and {extra} has no single fastrl "
+            "LossConfig: verl aggregates the sapo policy term seq-mean-token-mean whatever "
+            "loss_agg_mode says, but its KL and entropy terms with loss_agg_mode. Set "
+            "loss_agg_mode='seq-mean-token-mean', or use the registered loss_mode='fastrl_sapo' "
+            "(verl then adds its own KL and entropy terms)"
+        )
     return LossConfig().replace(**fields)
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import AGGS, PRESETS, _is_finite32, _is_real
+from ..config import AGGS, PRESETS, LossConfig, _is_finite32, _is_real
 
 ALGOS = ("ppo", "grpo", "dapo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -177,7 +177,8 @@ class TrainConfig:
 
     kl_coef: float | None = None
     """KL weight beta. grpo: k3 KL in the loss (None = 0.04). ppo: KL-in-reward shaping
-    coefficient (None = 0, no reference model). dapo: must be None or 0."""
+    coefficient (None = 0, no reference model); refused with a --loss preset that has its own
+    in-loss KL (grpo), which it would leave in place. dapo: must be None or 0."""
 
     entropy_coef: float = 0.0
     """Entropy bonus weight in the loss."""
@@ -384,6 +385,16 @@ class TrainConfig:
             raise bad("kl_coef", "None or a number >= 0, finite in fp32 (<= 3.4e38)")
         if self.algo == "dapo" and self.kl_coef:
             raise bad("kl_coef", "None or 0 for dapo (DAPO has no KL term and no reference)")
+        preset_kl = LossConfig.preset(self.loss).kl_coef if self.loss in PRESETS else 0.0
+        if self.algo == "ppo" and self.kl_coef is not None and preset_kl:
+            # ppo reads kl_coef as its reward shaping; the preset's in-loss KL would stay
+            raise bad(
+                "kl_coef",
+                f"None with --algo ppo --loss {self.loss}: for ppo it is the KL-in-reward "
+                f"coefficient, and the {self.loss} preset keeps its own k3 KL in the loss "
+                f"({preset_kl}), which it does not change. Use a --loss without a KL term (e.g. "
+                "ppo) for reward shaping, or --algo grpo to set the in-loss KL",
+            )
         if (
             self.algo == "dapo"
             and self.overlong_cache is not None
