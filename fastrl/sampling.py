@@ -50,7 +50,7 @@ from .ops import backend_for
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
-_FLT_LOWEST = torch.finfo(torch.float32).min
+_FLT_LOWEST = -FP32_MAX  # the lowest finite fp32
 # The smallest temperature taken: the kernel multiplies by 1 / τ in fp32, which must be finite.
 _TAU_MIN = 1.0 / FP32_MAX  # 2.94e-39
 

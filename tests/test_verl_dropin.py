@@ -79,6 +79,7 @@ def test_policy_loss_modes_equal_verl(mode, agg, installed):
     weights = 2 * torch.rand(B, T, generator=g)
     weights[0, :3] = 0  # rollout correction that rejects tokens
     new = old + 0.3 * torch.randn(B, T, generator=g)
+    new[1, 0], mask[1, 0] = old[1, 0] - 25.0, True  # beyond verl's +-20 clamp (and its ppo_kl's)
     infos = [{}, dict(dp_size=2, batch_num_tokens=70, global_batch_size=12)]
     for info in infos:
         for w in (None, weights):

@@ -234,10 +234,11 @@ def _actor_fields(config: Any) -> dict:
 def _verl_metrics(base: str, out, old_logp: Tensor, mask: Tensor, A: Tensor, cfg: LossConfig):
     """verl's pg metrics with verl's meaning: pg_clipfrac (share of counted tokens whose clipped
     term wins; for cispo the share whose ratio is clipped; 0 for sapo), ppo_kl (mean of
-    old - logp), pg_clipfrac_lower (share where the dual clip bites; 0 but for vanilla), from
-    the loss output `out` (its per-token ratio and logp), verl's old_logp and response mask and
-    its advantages A (B, T) before the rollout IS weights."""
-    from ..terms import masked_mean
+    old - logp, clamped to +-20 as verl does but for gspo), pg_clipfrac_lower (share where the
+    dual clip bites; 0 but for vanilla), from the loss output `out` (its per-token ratio and
+    logp), verl's old_logp and response mask and its advantages A (B, T) before the rollout IS
+    weights."""
+    from ..terms import LOG_RATIO_CLAMP, masked_mean
 
     if base == "gpg":
         return {}
@@ -254,7 +255,10 @@ def _verl_metrics(base: str, out, old_logp: Tensor, mask: Tensor, A: Tensor, cfg
             high = (A > 0) & (ratio > 1 + cfg.clip_high)
             low = (A < 0) & (ratio < 1 - cfg.clip_low)
             clipfrac = masked_mean((high | low).float(), mask)
-        ppo_kl = masked_mean(old_logp.float() - out.logp, mask)
+        log_ratio = out.logp - old_logp.float()
+        if base != "gspo":  # verl clamps it (+-20) for these modes, not for gspo
+            log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ppo_kl = masked_mean(-log_ratio, mask)
         lower = zero
         if base == "vanilla":
             pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))

@@ -363,6 +363,13 @@ class TrainConfig:
             v = getattr(self, name)
             if not _is_finite32(v) or v < 0:
                 raise bad(name, "a number >= 0, finite in fp32 (<= 3.4e38)")
+        # the ratio clip, as LossConfig takes it (its error would name LossConfig's field)
+        if self.clip_low is not None and (
+            not _is_finite32(self.clip_low) or not 0 <= self.clip_low <= 1
+        ):
+            raise bad("clip_low", "None or a number in [0, 1] (the ratio's floor is 1 - clip_low)")
+        if self.clip_high is not None and (not _is_finite32(self.clip_high) or self.clip_high < 0):
+            raise bad("clip_high", "None or a number >= 0, finite in fp32 (<= 3.4e38)")
         if not _is_finite32(self.temperature) or self.temperature < 1e-3:
             raise bad("temperature", "a number in [0.001, 3.4e38] (lower ones overflow z / τ)")
         if (
