@@ -399,7 +399,7 @@ MEASURES = {
         "benchmarks/bench_sample.py",
     ],
     # the trainer: the whole library but the TRL / verl drop-ins, which it never imports
-    # (tests/test_benchmarks.py checks that)
+    # (tests/test_structure.py checks that)
     "train_summary": [*_TRAINER, "benchmarks/bench_train.py"],
     # the trainers it runs (a change to the harness's reporting or its ablation list leaves the
     # side-by-side runs as they were; one to their settings changes settings() in the file)
