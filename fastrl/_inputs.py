@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import LossConfig, _is_finite32, resolve_config
+from .config import LossConfig, _is_finite32, _is_int, resolve_config
 from .packing import Packing, make_packing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,6 +82,17 @@ def check_number(name: str, value, expected: str, ok) -> float:
     if not _is_finite32(value) or not ok(value):
         raise ValueError(f"{name} must be {expected}, finite in fp32 (<= 3.4e38), got {value!r}")
     return float(value)
+
+
+def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
+    """`value` as Python's own int when it is an integer (numpy's too; a bool is not one) >=
+    `minimum`, or None when `optional`; else a ValueError naming `name`."""
+    if value is None and optional:
+        return None
+    if not _is_int(value) or value < minimum:
+        what = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
 
 
 def packed_per_sequence(name: str, t: Tensor, packing: Packing | None, N: int) -> bool:

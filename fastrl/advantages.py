@@ -13,12 +13,12 @@ once per batch); pass `check=False` to skip them.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch import Tensor
 
 from ._inputs import check_float, check_mask, check_number, describe
+from .config import _is_int
 
 WHITEN_EPS = 1e-8  # SPEC 7
 _SCALES = ("group", "batch", "none")
@@ -118,12 +118,7 @@ def _group_index(rewards: Tensor, group_size, group_ids) -> tuple[Tensor, int]:
         dense = torch.empty_like(ids)
         dense[order] = new.cumsum(0) - 1
         return dense, B
-    if (
-        isinstance(group_size, bool)
-        or not isinstance(group_size, numbers.Integral)  # numpy's integers too
-        or group_size < 1
-        or B % group_size
-    ):
+    if not _is_int(group_size) or group_size < 1 or B % group_size:
         raise ValueError(
             f"group_size={group_size!r} must be an int >= 1 that divides the batch size {B} "
             "(or pass group_ids)"
@@ -264,7 +259,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
     if not isinstance(lengths, Tensor) or lengths.dim() != 1:
         got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
         raise ValueError(f"lengths must be a tensor of shape (B,), got {got}")
-    if not isinstance(max_len, numbers.Integral) or not isinstance(cache_len, numbers.Integral):
+    if not _is_int(max_len) or not _is_int(cache_len):
         raise ValueError(f"max_len={max_len!r} and cache_len={cache_len!r} must be ints")
     if not 0 < cache_len <= max_len:
         raise ValueError(f"cache_len={cache_len} must lie in (0, max_len={max_len}]")

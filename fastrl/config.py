@@ -39,6 +39,11 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _is_int(x: Any) -> bool:
+    """An integer, numpy's integers included (numbers.Integral); never a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _plain(x: Any) -> Any:
     """A real number as Python's own int / float (numpy's np.float64 is a float subclass whose
     repr, 'np.float64(0.2)', the custom ops' config key could not read back)."""
@@ -199,11 +204,7 @@ class LossConfig:
         real("temperature", "a finite number > 0", lambda v: v > 0.0)
         real("num_tokens", "None or a finite number > 0", lambda v: v > 0, optional=True)
         real("num_seqs", "None or a finite number > 0", lambda v: v > 0, optional=True)
-        if self.max_len is not None and (
-            not isinstance(self.max_len, numbers.Integral)
-            or isinstance(self.max_len, bool)
-            or self.max_len < 1
-        ):
+        if self.max_len is not None and (not _is_int(self.max_len) or self.max_len < 1):
             raise bad("max_len", "None or an int >= 1")
         object.__setattr__(self, "max_len", _plain(self.max_len))
         real("rollout_is_cap", "None or a finite number > 0", lambda v: v > 0.0, optional=True)

@@ -37,6 +37,7 @@ from torch import Tensor
 from . import ops, vocab_parallel
 from ._inputs import (
     FLOAT_DTYPES,
+    check_int,
     check_mask,
     check_number,
     check_temperature,
@@ -58,7 +59,7 @@ __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
 
 
 # --------------------------------------------------------------------------- input checks
-def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=False):
+def _check_linear(hidden, weight, bias, logit_scale, softcap, shard=False):
     """Validate the LM-head arguments; returns (V, H). `shard`: weight is one rank's shard of
     the vocabulary rows (V = V_r, which may be 0)."""
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -90,10 +91,6 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=
     check_number("logit_scale", logit_scale, "a float > 0", lambda c: c > 0)
     if softcap is not None:
         check_number("softcap", softcap, "None or a float > 0", lambda c: c > 0)
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
     return V, H
 
 
@@ -180,6 +177,7 @@ def linear_logprobs(
 
     Packed sequences (`cu_seqlens` (S + 1,) with (N, H) hidden) are accepted and checked; rows
     are independent, so the result is the same as without."""
+    chunk_size = check_int("chunk_size", chunk_size, optional=True)  # numpy's integers too
     if cu_seqlens is not None:
         if not (isinstance(tokens, Tensor) and tokens.dim() == 1):
             raise ValueError(
@@ -191,7 +189,7 @@ def linear_logprobs(
         return _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask,
                                    logit_scale, softcap, chunk_size, group, cu_seqlens)  # fmt: skip
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
-    V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
+    V, H = _check_linear(hidden, weight, bias, logit_scale, softcap)
     _check_tokens(tokens, hidden, V)
     temperature, tau_rows = _check_linear_temperature(temperature, tokens, cu_seqlens)
     if mask is not None:
@@ -240,7 +238,7 @@ def _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
 
     def check():
-        _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=True)
+        _check_linear(hidden, weight, bias, logit_scale, softcap, shard=True)
         _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
         tau, tau_rows = _check_linear_temperature(temperature, tokens, cu_seqlens)
         tau = tau if tau_rows is None else tau_rows  # a float, or fp32 (N,) per row
@@ -299,13 +297,14 @@ def fused_linear_policy_loss(
     12 P B received) merges the shards' statistics before g, h and dz (sequence-level options:
     one all-gather for all rows, then the gradient pass); dW_r, db_r stay local and dX (N x H,
     hidden's dtype) is all-reduced once, in the forward."""
+    chunk_size = check_int("chunk_size", chunk_size, optional=True)  # numpy's integers too
     if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
         return _fused_linear_policy_loss_vp(
             hidden, weight, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config,
             bias, logit_scale, softcap, chunk_size, group, overrides, cu_seqlens, max_seqlen,
         )  # fmt: skip
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
-    V, H = _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size)
+    V, H = _check_linear(hidden, weight, bias, logit_scale, softcap)
     _check_tokens(tokens, hidden, V)
     x = prepare_policy_inputs(
         None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
@@ -361,7 +360,7 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
     hidden, weight, bias, autocast_off = _under_autocast(hidden, weight, bias)
 
     def check():
-        _check_linear(hidden, weight, bias, logit_scale, softcap, chunk_size, shard=True)
+        _check_linear(hidden, weight, bias, logit_scale, softcap, shard=True)
         _check_tokens(tokens, hidden, None)  # the range: against the whole vocabulary, in plan
         x = prepare_policy_inputs(
             None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .config import _is_int
+
 
 @dataclass
 class Packing:
@@ -86,9 +88,7 @@ def check_cu_seqlens(cu_seqlens, N: int, max_seqlen: int | None = None) -> None:
             f"cu_seqlens must be an int32 / int64 tensor of shape (S + 1,) with S >= 1 (the "
             f"boundaries of S packed sequences), got {got}"
         )
-    if max_seqlen is not None and (
-        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0
-    ):
+    if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
         raise ValueError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
         return
@@ -119,6 +119,8 @@ def make_packing(
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if max_seqlen is None:
         max_seqlen = int(lengths.max())
+    elif not isinstance(max_seqlen, int):  # numpy's integers (a SymInt stays symbolic)
+        max_seqlen = int(max_seqlen)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lengths = lengths.to(device=device, dtype=torch.int64)
     S = lengths.shape[0]

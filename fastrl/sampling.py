@@ -38,12 +38,10 @@ the two backends draw different noise.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
-from ._inputs import check_number
+from ._inputs import check_int, check_number
 from .config import FP32_MAX
 from .ops import backend_for
 
@@ -75,10 +73,7 @@ def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None,
             "per-row temperatures"
         )
         check_number("temperature", temperature, expected, lambda t: t == 0 or t >= _TAU_MIN)
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
-            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-        top_k = int(top_k)
+    top_k = check_int("top_k", top_k, optional=True)
     if top_p is not None:
         top_p = check_number("top_p", top_p, "a float in (0, 1] or None", lambda p: 0 < p <= 1)
     if generator is not None and not isinstance(generator, torch.Generator):

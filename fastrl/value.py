@@ -10,12 +10,10 @@ no host sync, so it is safe inside a compiled or CUDA-graphed step.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
-from ._inputs import check_float, check_mask, check_number, describe
+from ._inputs import check_float, check_int, check_mask, check_number, describe
 from .config import AGGS, _is_real
 from .terms import _positive_count, aggregate, masked_mean
 
@@ -88,10 +86,7 @@ def value_loss(
         raise ValueError(f"agg={agg!r}; expected one of {AGGS}")
     if values.dim() == 1 and agg.startswith("seq-mean"):
         raise ValueError(f"agg={agg!r} needs sequences: pass values of shape (B, T), not {shape}")
-    if max_len is not None:
-        if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 1:
-            raise ValueError(f"max_len must be an int >= 1 or None, got {max_len!r}")
-        max_len = int(max_len)  # numpy's integers too
+    max_len = check_int("max_len", max_len, optional=True)
     num_tokens = _check_count("num_tokens", num_tokens, values)
     num_seqs = _check_count("num_seqs", num_seqs, values)
 

@@ -8,6 +8,7 @@ their hidden-state gradient is 0; everything that counts must equal the referenc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -208,6 +209,8 @@ def test_bad_inputs():
         (dict(hidden=hidden[..., :0], weight=weight[:, :0]), "H >= 1"),
         (dict(tokens=tokens + weight.shape[0]), r"tokens must lie in \[0, V\)"),
         (dict(chunk_size=0), "chunk_size"),
+        (dict(chunk_size=True), "chunk_size must be an int >= 1 or None, got True"),
+        (dict(chunk_size=np.float64(4)), "chunk_size"),
         (dict(softcap=0.0), "softcap"),
         (dict(logit_scale=float("nan")), "logit_scale"),
         (dict(logit_scale=1e39), "logit_scale"),  # inf in fp32
@@ -217,6 +220,22 @@ def test_bad_inputs():
         kwargs = {**dict(hidden=hidden, weight=weight, tokens=tokens, advantages=adv), **change}
         with pytest.raises(ValueError, match=match):
             fastrl.fused_linear_policy_loss(**kwargs)
+
+
+def test_numpy_chunk_size_is_an_int():
+    """chunk_size as numpy's integer chunks exactly as Python's int, in both LM-head ops."""
+    hidden, weight, b, tokens, adv, old, ref, mask = make()
+    for chunk in (5, np.int64(5), np.int32(5)):
+        out = fastrl.fused_linear_policy_loss(
+            hidden, weight, tokens, adv, old, mask=mask, bias=b, chunk_size=chunk
+        )
+        logp = fastrl.linear_logprobs(hidden, weight, tokens, bias=b, chunk_size=chunk)
+        if isinstance(chunk, int):
+            expected, expected_logp = out.loss, logp
+        torch.testing.assert_close(out.loss, expected, rtol=0, atol=0)
+        torch.testing.assert_close(logp, expected_logp, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1 or None, got False"):
+        fastrl.linear_logprobs(hidden, weight, tokens, chunk_size=False)
 
 
 # --------------------------------------------------------------------------- linear_logprobs

@@ -4,6 +4,7 @@ sequence-level options; bad boundaries are refused with a clear error."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,6 +176,9 @@ def test_bad_packed_inputs_name_the_argument():
         )
     with pytest.raises(ValueError, match="max_seqlen=2 is shorter"):
         fastrl.policy_loss(p["logits"], p["tokens"], adv, cu_seqlens=cu, max_seqlen=2)
+    for bad in (True, -1, 7.0):
+        with pytest.raises(ValueError, match=f"max_seqlen must be None or an int >= 0, got {bad}"):
+            fastrl.policy_loss(p["logits"], p["tokens"], adv, cu_seqlens=cu, max_seqlen=bad)
     with pytest.raises(ValueError, match="max_seqlen is given without cu_seqlens"):
         fastrl.policy_loss(p["logits"], p["tokens"], torch.zeros(19), max_seqlen=2)
     with pytest.raises(ValueError, match=r"rewards must have shape \(6,\)"):
@@ -231,6 +235,20 @@ def test_as_many_rows_as_sequences_is_read_exactly_or_refused():
     a = fastrl.policy_loss(logits, tokens, adv, cu_seqlens=one_each, temperature=tau)
     b = fastrl.policy_loss(logits, tokens, adv[None], cu_seqlens=one_each, temperature=tau[None])
     torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
+
+
+def test_numpy_max_seqlen_is_an_int():
+    """max_seqlen as numpy's integer packs exactly as Python's int (and as reading it from
+    cu_seqlens), in the logits path and the log-prob path."""
+    cu, p, _, adv = _batch(3)
+    losses = []
+    for max_seqlen in (None, max(LENS), np.int64(max(LENS)), np.int32(max(LENS) + 2)):
+        kw = dict(cu_seqlens=cu, max_seqlen=max_seqlen, config="gspo")
+        a = fastrl.policy_loss(p["logits"], p["tokens"], adv, p["old"], **kw).loss
+        b = fastrl.policy_loss_from_logprobs(p["old"] + 0.1, None, adv, p["old"], **kw).loss
+        losses.append(torch.stack([a, b]))
+    for got in losses[1:]:
+        torch.testing.assert_close(got, losses[0], rtol=0, atol=0)
 
 
 def test_packed_under_torch_compile():
