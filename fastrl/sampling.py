@@ -105,13 +105,16 @@ def _check_temperature_rows(temperature: Tensor, logits: Tensor) -> None:
             )
 
 
-def _scaled(z: Tensor, tau: float | Tensor) -> Tensor:
-    """z' = z / τ (a new fp32 tensor; τ a float or (n, 1)) formed as (z - m) / τ with m the row
-    max of z where finite: the same softmax, and no overflow to inf at a tiny τ (z' <= 0; the
-    entries that reach -inf have probability 0 in fp32 anyway). Rows without a finite max (NaN,
-    +inf, all -inf) are divided as they are."""
+def _scaled(z: Tensor, tau: float | Tensor) -> tuple[Tensor, Tensor]:
+    """(z', m'): z' = z / τ (a new fp32 tensor (n, V); τ a float or (n, 1)) formed as (z - m) / τ
+    with m the row max of z where finite: the same softmax, and no overflow to inf at a tiny τ
+    (z' <= 0; the entries that reach -inf have probability 0 in fp32 anyway). Rows without a
+    finite max (NaN, +inf, all -inf) are divided as they are. m' (n, 1) is z'.amax(-1) without
+    reading z' again: 0 where m is finite, else m / τ (dividing by τ > 0 keeps the order, and
+    rounding is monotone, so max(z / τ) = max(z) / τ exactly)."""
     m = z.amax(-1, keepdim=True)
-    return (z - torch.where(torch.isfinite(m), m, 0.0)).div_(tau)
+    finite = torch.isfinite(m)
+    return (z - torch.where(finite, m, 0.0)).div_(tau), torch.where(finite, 0.0, m).div_(tau)
 
 
 def _row_tau(temperature: Tensor, N: int, device) -> Tensor:
@@ -191,13 +194,13 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
     rows = max(1, _CHUNK_ELEMENTS // V)
     for s in range(0, N, rows):
         e = min(N, s + rows)
-        z = logits[s:e].float()
+        z, m = logits[s:e].float(), None  # m: z's row max (n, 1) once known
         if isinstance(temperature, Tensor):
-            z = _scaled(z, temperature[s:e, None])  # z' = z / τ_r, row by row
+            z, m = _scaled(z, temperature[s:e, None])  # z' = z / τ_r, row by row
         elif temperature != 1.0:
-            z = _scaled(z, temperature)
+            z, m = _scaled(z, temperature)
         if truncate:
-            z = truncate_logits(z, top_k, top_p)
+            z, m = truncate_logits(z, top_k, top_p), None
         if greedy:
             tok = z.argmax(-1)
         else:
@@ -206,8 +209,12 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
             tok = gumbel.neg_().add_(z).argmax(-1)  # z' + G
             del gumbel
         tokens[s:e] = tok
-        m = z.amax(-1, keepdim=True)  # (n, 1); NaN if the row holds a NaN
-        zc = z - m.masked_fill(m == float("-inf"), 0.0)  # z' - m <= 0 (an all -inf row: -inf)
+        if m is None:
+            m = z.amax(-1, keepdim=True)  # (n, 1); NaN if the row holds a NaN
+        shift = m.masked_fill(m == float("-inf"), 0.0)
+        # zc = z' - m <= 0 (an all -inf row: -inf); in place unless z' is a view of the logits
+        view = z.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+        zc = z - shift if view else z.sub_(shift)
         del z
         lse_c = torch.logsumexp(zc, dim=-1)  # (n,) log s
         logp[s:e] = zc.gather(1, tok[:, None]).squeeze(1) - lse_c
@@ -255,7 +262,7 @@ def sample(
     z = logits
     if truncate:  # the (N, V) truncated copy (fp32) for the kernel
         tau = temperature[:, None] if isinstance(temperature, Tensor) else temperature
-        z = truncate_logits(_scaled(logits.float(), tau), top_k, top_p)
+        z = truncate_logits(_scaled(logits.float(), tau)[0], top_k, top_p)
         temperature = 1.0
     from .kernels.sampling import sample_rows
 

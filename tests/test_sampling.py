@@ -179,6 +179,34 @@ def test_a_tiny_temperature_samples_the_argmax_exactly(top_k):
         torch.testing.assert_close(entropy, torch.tensor([0.0, math.log(2)]))
 
 
+def test_the_scaled_row_max_is_the_max_of_the_scaled_row():
+    """The PyTorch path reuses _scaled's m' as the row max of z' = z / τ instead of reading z'
+    again: it must equal z'.amax(-1) bit for bit, for finite rows, tiny and large τ, per-row τ,
+    and rows holding NaN, +inf or only -inf."""
+    from fastrl.sampling import _scaled
+
+    inf = float("inf")
+    z = torch.randn(7, 50, generator=torch.Generator().manual_seed(3)) * 40
+    z[1, 7], z[2, 3], z[3] = float("nan"), inf, -inf
+    z[4, :10] = -inf
+    per_row = torch.tensor([0.3, 1.7, 2.9e-39, 1e30, 0.7, 1e-20, 5.0])[:, None]
+    for tau in (0.7, 3e-39, 1e20, per_row):
+        zs, m = _scaled(z, tau)
+        torch.testing.assert_close(m, zs.amax(-1, keepdim=True), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logits_are_never_written(dtype):
+    """The PyTorch path shifts its fp32 chunk in place when the chunk is its own copy: the
+    caller's logits (fp32 views at τ = 1 included, strided too) stay bit for bit as they were."""
+    full = (torch.randn(9, 70, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    for logits in (full, full[:, ::2], full[1::2]):
+        before = logits.clone()
+        for kw in (dict(), dict(temperature=0.7), dict(top_k=5), dict(temperature=0)):
+            fastrl.sample(logits, **kw)
+            torch.testing.assert_close(logits, before, rtol=0, atol=0)
+
+
 def test_numpy_scalars_for_top_k_and_top_p():
     """top_k / top_p as numpy scalars sample exactly as Python's int / float; a non-integral
     top_k is still refused."""
