@@ -64,6 +64,8 @@ def test_bench_help_names_the_script(capsys):
         (["--reward-timeout", "nan"], "--reward-timeout"),
         (["--clip-low", "-1"], "--clip-low=-1.0 is invalid"),  # named as the flag, not
         (["--clip-high", "nan"], "--clip-high=nan is invalid"),  # as LossConfig's field
+        (["--clip-low", "2"], "--clip-low=2.0 is invalid: expected a finite number in [0, 1]"),
+        (["--entropy-coef", "-1"], "--entropy-coef=-1.0 is invalid: expected a finite number"),
         # ppo reads --kl-coef as reward shaping: the grpo preset's in-loss KL would stay
         (["--algo", "ppo", "--loss", "grpo", "--kl-coef", "0"], "--kl-coef=0.0 is invalid"),
         (["--algo", "ppo", "--loss", "grpo", "--beta", "0.1"], "in-loss KL"),

@@ -79,14 +79,14 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(algo, minibatches, g
 )
 def test_no_skipping_when_a_zero_advantage_row_has_a_gradient(fields, ref):
     cfg = TrainConfig(**fields)
-    from fastrl.train.build import loss_config
+    from fastrl.train.config import loss_config
 
     adv, mask = torch.tensor([0.0, 1.0]), torch.ones(2, 3)
     assert algos.trained_rows(cfg, loss_config(cfg), adv, mask, ref) is None
 
 
 def test_skip_is_on_for_grpo_without_kl_and_for_dapo():
-    from fastrl.train.build import loss_config
+    from fastrl.train.config import loss_config
 
     adv, mask = torch.tensor([0.0, 1.0, -1.0]), torch.tensor([[1.0, 1], [1, 0], [0, 0]])
     for cfg in (TrainConfig(algo="grpo", kl_coef=0), TrainConfig(algo="dapo")):

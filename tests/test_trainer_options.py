@@ -15,8 +15,8 @@ import torch
 from fastrl.cli import main
 from fastrl.config import PRESETS
 from fastrl.train import algos
-from fastrl.train.build import loss_config, lr_factor
-from fastrl.train.config import TrainConfig
+from fastrl.train.build import lr_factor
+from fastrl.train.config import TrainConfig, loss_config
 from fastrl.train.rollout import Rollout
 from fastrl.train.trainer import Trainer, read_metrics
 
@@ -205,6 +205,23 @@ def test_grpo_trains_on_token_mean_unless_told_otherwise():
     assert loss_config(TrainConfig(loss="dr_grpo", max_new_tokens=9)).max_len == 9
 
 
+def test_loss_config_errors_are_named_as_flags(monkeypatch):
+    """validate() builds the run's LossConfig: a field an option sets is named as that option
+    (every mapped option is a TrainConfig field); any other LossConfig error keeps LossConfig's
+    words behind the --loss preset it came from."""
+    from dataclasses import fields
+
+    from fastrl.train import config as train_config
+
+    names = {f.name for f in fields(TrainConfig)}
+    assert set(train_config._LOSS_FLAGS.values()) <= names
+    with pytest.raises(ValueError, match=r"--clip-high=-1.0 is invalid: expected a finite num"):
+        TrainConfig(loss="cispo", clip_high=-1.0).validate()
+    monkeypatch.delitem(train_config._LOSS_FLAGS, "clip_high")
+    with pytest.raises(ValueError, match=r"^--loss cispo with these options: LossConfig.clip_h"):
+        TrainConfig(loss="cispo", clip_high=-1.0).validate()
+
+
 def test_adam_betas_reach_the_optimizer(tmp_path):
     t = Trainer(tiny(tmp_path, adam_beta1=0.8, adam_beta2=0.95), log=quiet)
     t.setup()
@@ -222,7 +239,10 @@ def test_adam_betas_reach_the_optimizer(tmp_path):
      ("model_layers", 0, {}),
      # finite in Python, inf in fp32: NaN at step 1 (or a LossConfig error naming no flag)
      ("kl_coef", 1e300, {}), ("temperature", 1e39, {}), ("lr", 1e39, {}),
-     ("entropy_coef", 1e39, {})],
+     ("entropy_coef", 1e39, {}), ("entropy_coef", -1.0, {}),
+     # LossConfig's own checks of the run's loss, named as the flag that set the field
+     ("clip_low", 1.5, {}), ("clip_high", math.nan, {}), ("clip_low", -0.1, dict(loss="cispo")),
+     ("kl_coef", 1e39, dict(algo="grpo")), ("entropy_coef", math.inf, dict(loss="gspo"))],
 )  # fmt: skip
 def test_bad_options_are_refused_up_front_naming_them(field, value, extra):
     with pytest.raises(ValueError, match="--" + field.replace("_", "-") + "="):

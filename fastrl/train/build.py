@@ -16,10 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import LossConfig
 from .algos import ValueModel
 from .common import rank_world
-from .config import TrainConfig
+from .config import TrainConfig, loss_config
 from .report import Console
 from .rewards import RewardScorer
 from .rollout import CHARS, eos_ids, lm_head_fusable, load_model
@@ -212,27 +211,6 @@ def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
             f"{cfg.task} (no held-out data: pass --eval-file or --eval-split > 0)"
         )
     return task.eval_examples(cfg.eval_size, cfg.seed)
-
-
-def loss_config(cfg: TrainConfig) -> LossConfig:
-    """The --loss preset (default: the one named like --algo) with the run's overrides (the
-    aggregation: --loss-agg, or token-mean for --algo grpo without --loss)."""
-    over = {"temperature": cfg.temperature, "entropy_coef": cfg.entropy_coef}
-    if cfg.clip_low is not None:
-        over["clip_low"] = cfg.clip_low
-    if cfg.clip_high is not None:
-        over["clip_high"] = cfg.clip_high
-    if cfg.algo != "ppo" and cfg.kl_coef is not None:  # ppo: kl_coef shapes the reward
-        over["kl_coef"] = cfg.kl_coef
-    preset = cfg.loss or cfg.algo
-    if cfg.loss_agg is not None:
-        over["agg"] = cfg.loss_agg
-    elif cfg.loss is None and cfg.algo == "grpo":  # the trainer's choice, not the preset's
-        over["agg"] = "token-mean"
-    loss_cfg = LossConfig.preset(preset, **over)
-    if loss_cfg.agg == "seq-mean-token-sum-norm":  # dr_grpo: the normaliser is the budget,
-        loss_cfg = loss_cfg.replace(max_len=cfg.max_new_tokens)  # not the batch's longest
-    return loss_cfg
 
 
 # --------------------------------------------------------------------------- setup

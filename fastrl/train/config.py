@@ -4,6 +4,7 @@ flag. The loss library's own configuration (`LossConfig`) is `fastrl.config`."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -359,17 +360,10 @@ class TrainConfig:
             v = getattr(self, name)
             if not _is_finite32(v) or v <= 0:
                 raise bad(name, "a number > 0, finite in fp32 (<= 3.4e38)")
-        for name in ("weight_decay", "entropy_coef", "vf_coef", "overlong_factor", "value_clip"):
+        for name in ("weight_decay", "vf_coef", "overlong_factor", "value_clip"):
             v = getattr(self, name)
             if not _is_finite32(v) or v < 0:
                 raise bad(name, "a number >= 0, finite in fp32 (<= 3.4e38)")
-        # the ratio clip, as LossConfig takes it (its error would name LossConfig's field)
-        if self.clip_low is not None and (
-            not _is_finite32(self.clip_low) or not 0 <= self.clip_low <= 1
-        ):
-            raise bad("clip_low", "None or a number in [0, 1] (the ratio's floor is 1 - clip_low)")
-        if self.clip_high is not None and (not _is_finite32(self.clip_high) or self.clip_high < 0):
-            raise bad("clip_high", "None or a number >= 0, finite in fp32 (<= 3.4e38)")
         if not _is_finite32(self.temperature) or self.temperature < 1e-3:
             raise bad("temperature", "a number in [0.001, 3.4e38] (lower ones overflow z / τ)")
         if (
@@ -420,6 +414,48 @@ class TrainConfig:
             v = getattr(self, name)
             if not _is_real(v) or not 0 <= v <= 1:
                 raise bad(name, "a number in [0, 1]")
+        # the run's LossConfig, checked by LossConfig itself; its errors named as the flags
+        try:
+            loss_config(self)
+        except ValueError as e:
+            field = re.match(r"LossConfig\.(\w+)=.*? is invalid: expected (.*)", str(e), re.S)
+            if field is None or field[1] not in _LOSS_FLAGS:
+                preset = self.loss or self.algo
+                raise ValueError(f"--loss {preset} with these options: {e}") from None
+            raise bad(_LOSS_FLAGS[field[1]], field[2]) from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# LossConfig's fields that the run's options set (loss_config), and the option that sets each
+_LOSS_FLAGS = {
+    "clip_low": "clip_low",
+    "clip_high": "clip_high",
+    "kl_coef": "kl_coef",
+    "entropy_coef": "entropy_coef",
+    "temperature": "temperature",
+    "agg": "loss_agg",
+    "max_len": "max_new_tokens",
+}
+
+
+def loss_config(cfg: TrainConfig) -> LossConfig:
+    """The --loss preset (default: the one named like --algo) with the run's overrides (the
+    aggregation: --loss-agg, or token-mean for --algo grpo without --loss)."""
+    over = {"temperature": cfg.temperature, "entropy_coef": cfg.entropy_coef}
+    if cfg.clip_low is not None:
+        over["clip_low"] = cfg.clip_low
+    if cfg.clip_high is not None:
+        over["clip_high"] = cfg.clip_high
+    if cfg.algo != "ppo" and cfg.kl_coef is not None:  # ppo: kl_coef shapes the reward
+        over["kl_coef"] = cfg.kl_coef
+    preset = cfg.loss or cfg.algo
+    if cfg.loss_agg is not None:
+        over["agg"] = cfg.loss_agg
+    elif cfg.loss is None and cfg.algo == "grpo":  # the trainer's choice, not the preset's
+        over["agg"] = "token-mean"
+    loss_cfg = LossConfig.preset(preset, **over)
+    if loss_cfg.agg == "seq-mean-token-sum-norm":  # dr_grpo: the normaliser is the budget,
+        loss_cfg = loss_cfg.replace(max_len=cfg.max_new_tokens)  # not the batch's longest
+    return loss_cfg
