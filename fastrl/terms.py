@@ -241,8 +241,9 @@ def token_grad_terms(x: PolicyInputs, weights: Tensor) -> TokenGradTerms | None:
 
 
 def _k3_times_ratio_slope(kl_r: Tensor, logp: Tensor, ref_logp: Tensor, log_ratio: Tensor):
-    """kl_r = k3 * r (the token-level bias correction, r = exp(clamp(logp - old, +-20))) with its
-    derivative in logp formed directly. Inside the clamp that derivative is (1 - e^x) r +
+    """kl_r = k3 * r (the bias correction, r = exp(clamp(log_ratio, +-20)), where ∂ log_ratio /
+    ∂ logp is 1 in the token's own logp and 0 in the others') with its derivative in logp formed
+    directly. Inside the clamp that derivative is (1 - e^x) r +
     (e^x - x - 1) r = -x r (x = ref - logp), and autograd through the product adds the two terms
     of size e^x r: in fp32 the sum keeps ~1e-3 of -x r at x = 10 and nothing of it beyond x ~ 17.
     Same value; inside the clamp the gradient is -x r, outside it autograd's (1 - e^x) r (r is
@@ -315,8 +316,16 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
         if cfg.kl_bias_correction:
             bias_log_ratio = token_log_ratio if cfg.kl_bias_ratio == "token" else seq_log_ratio
             kl = kl * torch.exp(torch.clamp(bias_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            if cfg.kl_estimator == "k3" and cfg.kl_bias_ratio == "token":
-                kl = _k3_times_ratio_slope(kl, logp, x.ref_logp, bias_log_ratio)
+            if cfg.kl_estimator == "k3":
+                # where ∂ log r / ∂ logp_t is 1, own token only: the token ratio, GSPO-token's
+                # sequence ratio, and the mean sequence ratio of a sequence with one counted
+                # token of weight >= 1 (m_t / max(|y|, 1) = 1); elsewhere nothing cancels
+                exact = _k3_times_ratio_slope(kl, logp, x.ref_logp, bias_log_ratio)
+                if cfg.kl_bias_ratio == "token" or cfg.seq_ratio_grad == "token":
+                    kl = exact
+                else:
+                    one = ((mask > 0).sum(-1, keepdim=True) == 1) & (seq_lengths >= 1)  # (B, 1)
+                    kl = torch.where(one, exact, kl)
     else:
         kl = torch.zeros_like(logp)
 

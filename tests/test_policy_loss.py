@@ -192,6 +192,62 @@ def test_k3_bias_correction_far_from_the_reference(engine):
         assert err.max() < 1e-5, f"{name}: a row's gradient off by {err.max():.1e} of its size"
 
 
+@pytest.mark.parametrize("seq_ratio_grad", ["mean", "token"])
+def test_k3_sequence_bias_correction_far_from_the_reference(engine, seq_ratio_grad):
+    """k3 * r with the sequence ratio (kl_bias_ratio="sequence"): where log r's gradient in a
+    token's own logp is 1 (GSPO-token's sequence ratio, every length; the mean sequence ratio of
+    a sequence with one counted token of weight >= 1) the same two e^x r terms cancel as at token
+    level. Against float64 autograd of k3 r written as e^(x + log r) - (x + 1) r (no
+    cancellation in float64 either: its exponent x_t + log r is written as ref_t + (c_t - 1)
+    logp_t + (the rest of log r, without logp_t), c_t = ∂ log r / ∂ logp_t), with advantages 0
+    (the KL term alone) and rows of one counted token (weight 2: c = 2 / 2 = 1; weight 0.5:
+    c = 0.5 / max(0.5, 1), no cancellation) and of several."""
+    device, _ = engine
+    B, T, V = 4, 5, 16
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.zeros(B, T)
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, tokens[..., None])[..., 0]
+    shift = torch.tensor(
+        [[25.0, -25.0, 3.0, -3.0, 12.0], [0.5, -0.5, 30.0, -30.0, 28.0],
+         [20.0, 1.0, -2.0, 18.0, 0.3], [-1.0, 26.0, 2.0, -4.0, 9.0]]
+    )  # fmt: skip
+    mask = torch.ones(B, T)
+    mask[0] = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0])  # x = 12 on its one counted token
+    mask[1] = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0])  # x = 30, weight 0.5
+    old = (logp + shift / 10).float()
+    ref = (logp + shift).float()
+    cfg = LossConfig(ratio_level="sequence", seq_ratio_grad=seq_ratio_grad, kl_coef=0.1,
+                     kl_estimator="k3", kl_bias_correction=True, kl_bias_ratio="sequence",
+                     agg="token-mean")  # fmt: skip
+    z64 = logits.double().requires_grad_()
+    lp = torch.log_softmax(z64, -1).gather(-1, tokens[..., None])[..., 0]
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # max(|y_i|, 1)
+    log_r = (mask * (lp - old.double())).sum(-1, keepdim=True) / lengths
+    log_r = log_r.expand(B, T)
+    if seq_ratio_grad == "token":
+        log_r = log_r.detach() + lp - lp.detach()
+        c, rest = torch.ones(B, T), (log_r - lp).detach()
+    else:  # rest_t = Σ_{u != t} m_u logp_u / L - Σ m old / L: no path to logp_t
+        others = 1 - torch.eye(T, dtype=torch.float64)
+        rest = ((mask * lp) @ others - (mask * old.double()).sum(-1, keepdim=True)) / lengths
+        c = mask / lengths
+    r = torch.exp(torch.clamp(log_r, -20, 20))
+    x = ref.double() - lp
+    exponent = ref.double() + (c - 1) * lp + rest  # = x + log r
+    e_x_r = torch.where(log_r.abs() <= 20, torch.exp(exponent), torch.exp(x) * r)
+    ((mask * 0.1 * (e_x_r - (x + 1) * r)).sum() / mask.sum()).backward()
+    for name, fn in (("fastrl", fastrl.policy_loss), ("reference", R.policy_loss)):
+        on = device if name == "fastrl" else "cpu"
+        z = logits.clone().to(on).requires_grad_()
+        args = (tokens, adv, old, ref, mask)
+        fn(z, *(t.to(on) for t in args), config=cfg).loss.backward()
+        err = (z.grad.double().cpu() - z64.grad).abs().amax((-2, -1))
+        err = err / z64.grad.abs().amax((-2, -1))
+        assert err.max() < 1e-5, f"{name}: a row's gradient off by {err.max():.1e} of its size"
+
+
 def test_tensor_counts(engine):
     """num_tokens / num_seqs as 0-dim tensors (all-reduced counts) give the same loss."""
     device, _ = engine
