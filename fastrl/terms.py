@@ -240,17 +240,18 @@ def token_grad_terms(x: PolicyInputs, weights: Tensor) -> TokenGradTerms | None:
     )  # fmt: skip
 
 
-def _k3_times_ratio_slope(kl_r: Tensor, logp: Tensor, ref_logp: Tensor, log_ratio: Tensor):
+def _k3_times_ratio_slope(
+    kl_r: Tensor, logp: Tensor, ref_logp: Tensor, log_ratio: Tensor, r: Tensor
+) -> Tensor:
     """kl_r = k3 * r (the bias correction, r = exp(clamp(log_ratio, +-20)), where ∂ log_ratio /
     ∂ logp is 1 in the token's own logp and 0 in the others') with its derivative in logp formed
-    directly. Inside the clamp that derivative is (1 - e^x) r +
-    (e^x - x - 1) r = -x r (x = ref - logp), and autograd through the product adds the two terms
-    of size e^x r: in fp32 the sum keeps ~1e-3 of -x r at x = 10 and nothing of it beyond x ~ 17.
-    Same value; inside the clamp the gradient is -x r, outside it autograd's (1 - e^x) r (r is
-    constant there: no cancellation)."""
+    directly. Inside the clamp that derivative is (1 - e^x) r + (e^x - x - 1) r = -x r (x = ref -
+    logp), and autograd through the product adds the two terms of size e^x r: in fp32 the sum
+    keeps ~1e-3 of -x r at x = 10 and nothing of it beyond x ~ 17. Same value; inside the clamp
+    the gradient is -x r, outside it autograd's (1 - e^x) r (r is constant there: no
+    cancellation)."""
     inside = (log_ratio >= -LOG_RATIO_CLAMP) & (log_ratio <= LOG_RATIO_CLAMP)
-    r = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
-    slope = torch.where(inside, (logp - ref_logp).detach() * r, 0.0)  # -x r
+    slope = torch.where(inside, (logp - ref_logp).detach() * r.detach(), 0.0)  # -x r
     exact = kl_r.detach() + slope * (logp - logp.detach())
     return torch.where(inside, exact, kl_r)
 
@@ -315,12 +316,13 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
         kl = kl_penalty(logp, x.ref_logp, cfg.kl_estimator)
         if cfg.kl_bias_correction:
             bias_log_ratio = token_log_ratio if cfg.kl_bias_ratio == "token" else seq_log_ratio
-            kl = kl * torch.exp(torch.clamp(bias_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            bias_ratio = torch.exp(torch.clamp(bias_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            kl = kl * bias_ratio
             if cfg.kl_estimator == "k3":
                 # where ∂ log r / ∂ logp_t is 1, own token only: the token ratio, GSPO-token's
                 # sequence ratio, and the mean sequence ratio of a sequence with one counted
                 # token of weight >= 1 (m_t / max(|y|, 1) = 1); elsewhere nothing cancels
-                exact = _k3_times_ratio_slope(kl, logp, x.ref_logp, bias_log_ratio)
+                exact = _k3_times_ratio_slope(kl, logp, x.ref_logp, bias_log_ratio, bias_ratio)
                 if cfg.kl_bias_ratio == "token" or cfg.seq_ratio_grad == "token":
                     kl = exact
                 else:
