@@ -56,26 +56,33 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEAK_BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM peak, GB/s
 
 
-def git_commit() -> str:
-    """HEAD, with "-dirty" when the code differs from it (results files do not count); where
-    the environment sets FASTRL_GIT_COMMIT (a copy of the tree with no .git, e.g. a lent GPU
-    machine: benchmarks/gpu_run.sh), that."""
+# Paths whose uncommitted edits leave a recording clean: the results files, and prose (Markdown,
+# docs/), which no benchmark runs (report.MEASURES names no such path either).
+_NOT_CODE = (
+    ":(top,exclude)benchmarks/results",
+    ":(top,exclude)docs",
+    ":(top,glob,exclude)**/*.md",
+)
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    """HEAD of the checkout at `cwd` (default: this file's), with "-dirty" when the code differs
+    from it (edits to results files and prose do not count: _NOT_CODE); where the environment
+    sets FASTRL_GIT_COMMIT (a copy of the tree with no .git, e.g. a lent GPU machine:
+    benchmarks/gpu_run.sh), that."""
     if os.environ.get("FASTRL_GIT_COMMIT"):
         return os.environ["FASTRL_GIT_COMMIT"]
+    cwd = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=cwd
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", ":/", ":(top,exclude)benchmarks/results"],
+            ["git", "status", "--porcelain", "--", ":/", *_NOT_CODE],
             capture_output=True,
             text=True,
             timeout=10,
-            cwd=Path(__file__).resolve().parent,
+            cwd=cwd,
         )
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except Exception:  # pragma: no cover

@@ -225,6 +225,35 @@ def test_report_marks_a_table_older_than_its_code():
                 assert report.staleness(name, before) is None, name
 
 
+def test_git_commit_is_dirty_for_code_edits_only(tmp_path, monkeypatch):
+    """A recording's commit gets "-dirty" for an uncommitted edit to code (tracked or new), not
+    for one to a results file or to prose (a README, docs/)."""
+    monkeypatch.delenv("FASTRL_GIT_COMMIT", raising=False)
+    git = lambda *a: subprocess.run(  # noqa: E731
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    files = ["README.md", "docs/DESIGN.md", "benchmarks/results/x.json", "fastrl/ops.py"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "0")
+    head = git("rev-parse", "HEAD")
+    common = load_bench("_common.py")
+    assert common.git_commit(tmp_path / "benchmarks") == head
+    for name in files[:3]:
+        (tmp_path / name).write_text("1\n")
+    (tmp_path / "docs" / "new.md").write_text("new\n")
+    assert common.git_commit(tmp_path / "benchmarks") == head
+    (tmp_path / "fastrl" / "ops.py").write_text("1\n")
+    assert common.git_commit(tmp_path) == head + "-dirty"
+    git("checkout", "--", "fastrl/ops.py")
+    (tmp_path / "fastrl" / "new.py").write_text("new\n")
+    assert common.git_commit(tmp_path) == head + "-dirty"
+
+
 def test_learning_vs_trl_quick(tmp_path):
     """bench_learning.py --vs-trl --quick: TRL's GRPOTrainer and `fastrl train` from the same
     warm start (tiny steps), and the results file holds every field the README table needs."""
