@@ -16,7 +16,10 @@ read-once traffic (N * V * itemsize bytes: the floor of any sampler, which must 
 copy bandwidth measured at the start with the same threads (stored in the JSON meta), peak memory
 of one call above the inputs (CPU: RSS high-water mark in a child process with
 MALLOC_MMAP_THRESHOLD_=65536, see benchmarks/_common.py; CUDA: max_memory_allocated).
-Results: <out>/bench_sample_<device>.{json,csv,png} (--out, default benchmarks/results/).
+With --busy K, K other processes each keep a core busy (a pure-Python loop) while the methods
+are timed, as on a shared machine.
+Results: <out>/bench_sample_<device>[_busy<K>].{json,csv,png} (--out, default
+benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from _common import (  # noqa: E402
     DTYPES,
     add_out_arg,
     add_traffic,
+    busy_processes,
     cpu_rates,
     device_info,
     measure_peaks,
@@ -84,6 +88,13 @@ def main() -> None:
     )
     p.add_argument("--rep", type=int, default=None, help="timed calls (CPU) / ms (CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="time with this many other processes each keeping one core busy (a pure-Python "
+        "loop), as on a shared machine; results go to bench_sample_<device>_busy<K>.*",
+    )
     add_out_arg(p, "bench_sample")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -106,7 +117,8 @@ def main() -> None:
     peaks, memory_method = measure_peaks(methods(x, args.device), args.device, __file__, child)
     calls = methods(x, args.device)  # timed with a fresh generator
     reps = dict.fromkeys(calls, args.rep or (100 if cuda else 5))
-    rows = time_rows(calls, reps, args.device, peaks, N=args.N, V=args.V, dtype=args.dtype)
+    with busy_processes(args.busy):
+        rows = time_rows(calls, reps, args.device, peaks, N=args.N, V=args.V, dtype=args.dtype)
     base = rows[0]["median_ms"]
     meta = device_info(args.device)
     rates = {} if cuda else cpu_rates()
@@ -116,6 +128,7 @@ def main() -> None:
         row["speedup_vs_baseline"] = round(base / row["median_ms"], 2)
     add_traffic(rows, read_gb * 1e9, peak_bw)
     meta.update(
+        busy_processes=args.busy,
         torch_threads=torch.get_num_threads(),
         temperature=TEMPERATURE,
         max_abs_err_logp=logp_err,
@@ -125,7 +138,8 @@ def main() -> None:
         machine_rates=rates or None,
     )
     paths = save_bars(
-        f"bench_sample_{torch.device(args.device).type}",
+        f"bench_sample_{torch.device(args.device).type}"
+        + (f"_busy{args.busy}" if args.busy else ""),
         rows,
         meta,
         args.out,

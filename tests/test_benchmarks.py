@@ -66,6 +66,20 @@ def test_staleness_covers_the_code_gae_and_sample_run(tmp_path, script, args):
     assert f"fastrl/{bench.removeprefix('bench_').replace('sample', 'sampling')}.py" in executed
 
 
+@pytest.mark.parametrize("script", ["bench_gae.py", "bench_sample.py"])
+def test_busy_runs_get_their_own_results_file(tmp_path, script):
+    """--busy 1 times the one-op benchmarks with another process spinning, into
+    <bench>_cpu_busy1.* (beside the idle file, which it leaves alone), and the table says so."""
+    bench = script.removesuffix(".py")
+    tiny = ["--N", "8", "--V", "64"] if "sample" in script else ["--B", "4", "--T", "16"]
+    tiny += ["--loop-rep", "1", "--no-verl"] if "gae" in script else []
+    _run(script, *tiny, "--rep", "2", "--busy", "1", "--out", str(tmp_path))
+    assert not (tmp_path / f"{bench}_cpu.json").exists()
+    data = _load(tmp_path / f"{bench}_cpu_busy1.json")
+    assert data["meta"]["busy_processes"] == 1
+    assert "keeping a core busy" in _report().tables("bench", tmp_path)
+
+
 def test_help_explains_the_options():
     for script, options in [
         ("bench_policy_loss.py", ["--quick", "--shapes", "--dtype", "--slow-rep", "trl-eager"]),
