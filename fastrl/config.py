@@ -5,8 +5,9 @@
     cfg = LossConfig.grpo(kl_coef=0.01)
     cfg = LossConfig.dapo(clip_high=0.3, entropy_coef=1e-3)
 
-All values are checked in `__post_init__`; an impossible value raises a `ValueError` that names
-the field, the value and what was expected. `dataclasses.replace(cfg, field=value)` re-checks.
+All values are checked in `__post_init__`; an impossible value raises a `LossConfigError` (a
+`ValueError`) that names the field, the value and what was expected, and carries them as
+`.field`, `.value` and `.expected`. `dataclasses.replace(cfg, field=value)` re-checks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ KL_BIAS_RATIOS = ("token", "sequence")
 
 
 FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
+class LossConfigError(ValueError):
+    """An impossible LossConfig value: `field` (its name), `value` and `expected` (what it must
+    be, in words), for callers that report it under their own names (the trainer's flags)."""
+
+    def __init__(self, field: str, value: Any, expected: str) -> None:
+        super().__init__(f"LossConfig.{field}={value!r} is invalid: expected {expected}")
+        self.field, self.value, self.expected = field, value, expected
 
 
 def _is_real(x: Any) -> bool:
@@ -159,10 +169,8 @@ class LossConfig:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(
-                f"LossConfig.{name}={getattr(self, name)!r} is invalid: expected {expected}"
-            )
+        def bad(name: str, expected: str) -> LossConfigError:
+            return LossConfigError(name, getattr(self, name), expected)
 
         def choice(name: str, allowed: tuple) -> None:
             if getattr(self, name) not in allowed:

@@ -13,7 +13,7 @@ import torch
 
 import fastrl
 from fastrl import reference
-from fastrl.config import PRESETS, LossConfig
+from fastrl.config import PRESETS, LossConfig, LossConfigError
 
 IMPLS = {"reference": reference, "fastrl": fastrl}
 
@@ -73,6 +73,15 @@ def test_bad_field_raises_naming_it(name, value):
         LossConfig.grpo(**{name: value})
     with pytest.raises(ValueError, match=name):
         dataclasses.replace(LossConfig(), **{name: value})
+    # ... and the error carries the field, the value and what was expected (the trainer names
+    # the flag behind the field from them)
+    with pytest.raises(LossConfigError) as info:
+        LossConfig(**{name: value})
+    e = info.value
+    assert e.field == name and e.expected and e.expected in str(e)
+    assert e.value is value or (
+        isinstance(value, float) and math.isnan(value) and e.value != e.value
+    )
 
 
 def test_rollout_is_needs_a_cap():

@@ -4,11 +4,10 @@ flag. The loss library's own configuration (`LossConfig`) is `fastrl.config`."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import AGGS, PRESETS, LossConfig, _is_finite32, _is_real
+from ..config import AGGS, PRESETS, LossConfig, LossConfigError, _is_finite32, _is_real
 
 ALGOS = ("ppo", "grpo", "dapo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -418,11 +417,9 @@ class TrainConfig:
         try:
             loss_config(self)
         except ValueError as e:
-            field = re.match(r"LossConfig\.(\w+)=.*? is invalid: expected (.*)", str(e), re.S)
-            if field is None or field[1] not in _LOSS_FLAGS:
-                preset = self.loss or self.algo
-                raise ValueError(f"--loss {preset} with these options: {e}") from None
-            raise bad(_LOSS_FLAGS[field[1]], field[2]) from None
+            if isinstance(e, LossConfigError) and e.field in _LOSS_FLAGS:
+                raise bad(_LOSS_FLAGS[e.field], e.expected) from None
+            raise ValueError(f"--loss {self.loss or self.algo} with these options: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
