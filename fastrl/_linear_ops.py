@@ -60,23 +60,36 @@ def _gather(hidden: Tensor, idx: Tensor) -> Tensor:
 
 class _Buffer:
     """One (chunk, V) logits buffer reused by every chunk of a call: a fresh allocation per
-    chunk would cost page faults on every chunk (large CPU allocations are mmapped)."""
+    chunk would cost page faults on every chunk (large CPU allocations are mmapped). `f32`: an
+    fp32 one beside a bf16 / fp16 GEMM's, made on first use (the logit scale and the softcap)."""
 
     def __init__(self, chunk: int, weight: Tensor):
         self.data = torch.empty(chunk, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        self._f32 = None
 
     def rows(self, R: int) -> Tensor:
         return self.data[:R]
 
+    def f32(self, R: int) -> Tensor:
+        if self._f32 is None:
+            self._f32 = torch.empty_like(self.data, dtype=torch.float32)
+        return self._f32[:R]
+
 
 def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap, buf: _Buffer):
-    """z (R, V) in the rows' dtype (in `buf`): s (h W^T + b), then c tanh(. / c) with a
-    softcap."""
+    """z (R, V) (in `buf`): s (h W^T + b), then c tanh(. / c) with a softcap. The GEMM's output
+    is in the rows' dtype; the scale and the softcap are applied in fp32 (a bf16 / fp16 GEMM's
+    output is widened first, as TRL's chunked LM head does: in bf16 they cost up to ~0.1 in
+    logp at softcap 30), so z is fp32 whenever either is set, else the GEMM's output."""
     z = buf.rows(rows.shape[0])
     if bias is None:
         torch.mm(rows, weight.t(), out=z)
     else:
         torch.addmm(bias, rows, weight.t(), out=z)
+    if logit_scale == 1.0 and softcap is None:
+        return z
+    if z.dtype != torch.float32:
+        z = buf.f32(rows.shape[0]).copy_(z)
     if logit_scale != 1.0:
         z.mul_(logit_scale)
     if softcap is not None:
@@ -85,10 +98,11 @@ def _logits(rows: Tensor, weight: Tensor, bias, logit_scale: float, softcap, buf
 
 
 def _chain_factor(z: Tensor, logit_scale: float, softcap):
-    """dz/da (R, V) fp32 for a softcap (s (1 - (z / c)^2)); else None (the factor is s)."""
+    """dz/da (R, V) fp32 for a softcap (s (1 - (z / c)^2), from _logits' fp32 z); else None
+    (the factor is s)."""
     if softcap is None:
         return None
-    t = z.float() / softcap  # a new tensor (z.float() is z itself for fp32)
+    t = z / softcap  # a new tensor
     return t.mul_(t).neg_().add_(1.0).mul_(logit_scale)
 
 

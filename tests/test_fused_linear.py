@@ -130,6 +130,38 @@ def test_bf16():
     compare(make(dtype=torch.bfloat16), dtype=torch.bfloat16, config="grpo")
 
 
+@pytest.mark.parametrize("logit_scale, softcap", [(0.3, None), (1.0, 10.0), (0.3, 10.0)])
+def test_bf16_scale_and_softcap_are_applied_in_fp32(engine, logit_scale, softcap):
+    """With a bf16 / fp16 GEMM, s a and c tanh(. / c) run on the GEMM's output widened to fp32
+    (as TRL's chunked LM head does): in bf16 they were off by up to ~0.1 in logp (a Gemma-2's
+    softcap of 30). Small-integer inputs make the bf16 GEMM exact (|a| <= 48), so logp and
+    entropy must match fp32 math on the same inputs to fp32 precision."""
+    device, _ = engine
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 2, 3, 8, 19
+    hidden = torch.randint(-2, 3, (B, T, H), generator=g).to(device, torch.bfloat16)
+    weight = torch.randint(-3, 4, (V, H), generator=g).to(device, torch.bfloat16)
+    tokens = torch.randint(0, V, (B, T), generator=g).to(device)
+    kw = dict(logit_scale=logit_scale, softcap=softcap)
+    (hf, wf), z = materialise(hidden, weight, None, **kw)
+    want_logp, want_ent = R.token_logprobs(z.detach(), tokens)
+    logp, ent = fastrl.linear_logprobs(hidden, weight, tokens, entropy=True, chunk_size=4, **kw)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    adv = torch.randn(B, generator=g).to(device)
+    old = want_logp.detach() + 0.1
+    out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, None, None,
+                                          config="dapo", chunk_size=4, **kw)  # fmt: skip
+    torch.testing.assert_close(out.logp, want_logp, rtol=1e-5, atol=1e-5)
+    # the backward: dz is rounded to bf16 for its GEMMs only
+    hidden.requires_grad_(), weight.requires_grad_()
+    out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, None, None,
+                                          config="dapo", chunk_size=4, **kw)  # fmt: skip
+    grads = torch.autograd.grad(out.loss, (hidden, weight))
+    expected = R.policy_loss(z, tokens, adv, old, None, None, config="dapo")
+    assert_grads(grads, torch.autograd.grad(expected.loss, (hf, wf)), torch.bfloat16)
+
+
 def test_flat_inputs_and_strided_view():
     hidden, weight, b, tokens, adv, old, ref, mask = make(B=1, T=9)
     flat = (hidden[0], weight, b, tokens[0], torch.randn(9), old[0], ref[0], mask[0])
