@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from .train.cli_args import add_train_args, config_from_args, dashes
+from .train.common import resume_command
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -101,14 +101,6 @@ def run_bench(script_args: list[str]) -> int:
     if not any(a == "--out" or a.startswith("--out=") for a in args):
         args += ["--out", "fastrl-bench"]  # not the committed benchmarks/results/
     return subprocess.call([sys.executable, str(script), *args])
-
-
-def resume_command(out: str, world: int) -> str:
-    """The command line that continues the run in `out`."""
-    launcher = (
-        f"torchrun --standalone --nproc_per_node {world} -m fastrl.cli" if world > 1 else "fastrl"
-    )
-    return f"{launcher} train --resume {shlex.quote(out)}"
 
 
 def _stopped_message(trainer, e: BaseException) -> str:

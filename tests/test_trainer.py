@@ -119,6 +119,43 @@ def update_two_ranks(algo: str, tmp_path, **kw) -> dict:
     return json.loads(path.read_text())
 
 
+def test_resume_on_another_number_of_processes_is_refused(tmp_path):
+    """A checkpoint continues only on as many processes as saved it: each rank's prompts and
+    samples come from its own stored RNGs (2 ranks resuming a 1-process run both took rank 0's
+    and drew the same data). The error names --resume, both sizes and the command to use."""
+    from tiny_run import TINY
+
+    from fastrl.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--save-every", "1", "--out", str(out), *TINY]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "fastrl.cli", "train", "--resume", str(out), "--steps", "2"]
+    proc = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--resume" in proc.stderr and "saved by a run of 1 process(es), this one has 2" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+    assert f"fastrl train --resume {out}" in proc.stderr
+    # a checkpoint of an older fastrl (no "world" in its state): one rng_rank<r>.json per rank
+    from types import SimpleNamespace
+
+    from fastrl.train.saving import _check_world
+
+    ckpt = tmp_path / "old"
+    ckpt.mkdir()
+    run = lambda world: SimpleNamespace(world=world, cfg=SimpleNamespace(out="o"))  # noqa: E731
+    _check_world(run(1), str(ckpt), {})
+    with pytest.raises(ValueError, match="1 process"):
+        _check_world(run(2), str(ckpt), {})
+    for r in range(2):
+        (ckpt / f"rng_rank{r}.json").write_text("{}")
+    _check_world(run(2), str(ckpt), {})
+    with pytest.raises(ValueError, match="torchrun --standalone --nproc_per_node 2"):
+        _check_world(run(1), str(ckpt), {})
+
+
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "ppo"])
 def test_two_process_gloo_equals_one_process(algo, tmp_path):
     one = _update_once(algo, 2)  # one process, 2 micro-batches
@@ -140,12 +177,17 @@ def test_two_process_gloo_equals_one_process(algo, tmp_path):
     assert (p1 - p2).abs().max() < 2.5e-3
 
 
-@pytest.mark.parametrize("algo,fused", [("grpo", False), ("ppo", False), ("dapo", True)])
-def test_the_rank_average_is_folded_into_the_normalisers(algo, fused, monkeypatch):
+@pytest.mark.parametrize(
+    "algo,fused,agg",
+    [("grpo", False, None), ("ppo", False, None), ("dapo", True, None),
+     ("grpo", False, "token-sum"), ("dapo", True, "token-sum")],
+)  # fmt: skip
+def test_the_rank_average_is_folded_into_the_normalisers(algo, fused, agg, monkeypatch):
     """grad_scale (the world size: DDP / FSDP2 average gradients) divides num_tokens / num_seqs
     instead of multiplying the loss, so every fused backward starts from exactly 1 (no second
     pass over the logits, or over dW on the LM-head path); the gradient is grad_scale times the
-    single-process one and the logged loss is unchanged."""
+    single-process one and the logged loss is unchanged. token-sum, which has no normaliser,
+    too (it was the single-process gradient: 1 / world of the batch's after DDP's average)."""
     import dataclasses
 
     import fastrl.ops
@@ -161,7 +203,8 @@ def test_the_rank_average_is_folded_into_the_normalisers(algo, fused, monkeypatc
     outs = {}
     for grad_scale in (1, 2):
         t = Trainer(tiny(algo=algo, grad_accum=2, minibatches=1, device="cpu", num_threads=1,
-                         kl_coef=0.1 if algo != "dapo" else None), log=lambda *a: None)  # fmt: skip
+                         kl_coef=0.1 if algo != "dapo" else None, loss_agg=agg),
+                    log=lambda *a: None)  # fmt: skip
         t.setup()
         t.run = dataclasses.replace(t.run, grad_scale=grad_scale, fused_lm_head=fused)
         outs[grad_scale] = t.update(_fixed_batch(t))
@@ -319,3 +362,22 @@ def test_dapo_with_no_informative_group_still_steps(tmp_path):
     assert rec["loss"] == 0.0
     for b, p in zip(before, t.policy.parameters()):
         assert torch.equal(b, p)  # zero gradient, AdamW without weight decay: unchanged
+
+
+@pytest.mark.parametrize("loss", ["gspo", "dapo"])
+def test_dapo_with_fewer_rows_than_minibatches(tmp_path, loss):
+    """dapo keeps G rows here (its fallback) for 4 minibatches: the empty ones are skipped (no
+    optimizer step; the schedule still steps), never a NaN from a seq-mean over 0 sequences
+    (gspo stopped the run with "non-finite loss nan")."""
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "never"}\n')
+    cfg = tiny(algo="dapo", loss=loss, task=str(f), batch_size=2, group_size=2, minibatches=4,
+               steps=1, max_gen_batches=1, overlong_cache=0, out=str(tmp_path / "o"),
+               num_threads=1)  # fmt: skip
+    t = Trainer(cfg, log=lambda *a: None)
+    t.train()
+    rec = read_metrics(str(tmp_path / "o" / "metrics.jsonl"))[-1]
+    assert rec["kept_groups"] == 0 and rec["loss"] == 0.0
+    steps = {int(s["step"]) for s in t.state.opt.state.values()}
+    assert steps == {2}, steps  # G = 2 rows: two minibatches of one row, two empty ones
+    assert t.state.sched.last_epoch == 4

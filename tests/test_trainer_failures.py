@@ -337,3 +337,35 @@ def test_out_of_an_existing_run_is_refused_unless_forced(tmp_path, capsys):
     (other / "notes.txt").write_text("mine")
     assert main(["train", "--steps", "1", "--out", str(other), *TINY]) == 0
     assert (other / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--sft-steps", "0", "--max-new-tokens", "6"], "--max-new-tokens 6"),
+     (["--sft-steps", "1", "--max-new-tokens", "1"], "--sft-steps 1")],
+)  # fmt: skip
+def test_too_few_learned_positions_is_a_bad_option(tmp_path, capsys, flags, named):
+    """A model with learned absolute positions (GPT-2's wpe, 8 of them) asked for more: exit 2
+    naming the option, not an IndexError from deep inside its embedding (exit 1). Generation
+    and the warm-up's prompt + target are both checked; rotary models are not (they
+    extrapolate)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fastrl.train.rollout import default_tokenizer, position_limit
+
+    tok = default_tokenizer()
+    config = GPT2Config(vocab_size=len(tok), n_positions=8, n_embd=16, n_layer=1, n_head=2,
+                        eos_token_id=1, pad_token_id=0, bos_token_id=None)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    assert position_limit(model) == 8
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    args = ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--batch-size", "2",
+            "--group-size", "2", "--eval-size", "4", "--progress", "false", "--num-threads", "1",
+            "--out", str(tmp_path / "o"), *flags]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert named in err and "8 learned positions" in err, err
+    from fastrl.train.rollout import default_model
+
+    assert position_limit(default_model(len(tok), 0, 16, 1)) is None  # rotary: no limit

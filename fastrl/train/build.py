@@ -195,7 +195,8 @@ def check_vocabulary(cfg: TrainConfig, task: Task, eval_set: list[Example]) -> N
 
 def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
     """The eval set: --eval-file, else a held-out split of a .jsonl task (removed from its
-    training lines), else the built-in task's disjoint eval stream."""
+    training lines), else the built-in task's own eval stream (not held out: see
+    TrainConfig.eval_file)."""
     if cfg.eval_file:
         return load_jsonl(cfg.eval_file)[: cfg.eval_size]
     if isinstance(task, JsonlTask):

@@ -4,6 +4,7 @@ that stops training."""
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,15 @@ from torch import Tensor
 
 from .checkpoint import latest_checkpoint
 from .rollout import Rollout
+
+
+def resume_command(out: str, world: int) -> str:
+    """The command line that continues the run in `out`, saved by `world` processes."""
+    launcher = (
+        f"torchrun --standalone --nproc_per_node {world} -m fastrl.cli" if world > 1 else "fastrl"
+    )
+    return f"{launcher} train --resume {shlex.quote(out)}"
+
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png")
 """What a run writes under --out (a directory holding any of them holds a run)."""

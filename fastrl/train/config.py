@@ -61,7 +61,9 @@ class TrainConfig:
 
     eval_file: str | None = None
     """A .jsonl file of {"prompt", "answer"} lines to evaluate on (held-out data). None: built-in
-    tasks evaluate on a fixed set drawn from a stream disjoint from training; a .jsonl task holds
+    tasks evaluate on a fixed set drawn from their own random stream (a stream of its own, not
+    held-out pairs: `add` has 2,500 distinct sums, so most eval prompts are also trained on, and
+    eval accuracy measures the skill on the task's distribution); a .jsonl task holds
     out --eval-split of its lines (never trained on)."""
 
     eval_split: float = 0.1
@@ -94,9 +96,10 @@ class TrainConfig:
     """Peak AdamW learning rate of the policy."""
 
     lr_schedule: str = "linear"
-    """Learning-rate schedule after the linear warm-up: `linear` (to 0 at the last optimizer
-    step of --steps, TRL's default; a run cut short by --max-time stops before the end of the
-    decay), `cosine` (to 0 at the last optimizer step) or `constant`."""
+    """Learning-rate schedule after the linear warm-up: `linear` (reaching 0 just after the
+    last optimizer step of --steps, which runs at lr / its count, as TRL's default; a run cut
+    short by --max-time stops before the end of the decay), `cosine` (the same end) or
+    `constant`."""
 
     max_new_tokens: int = 6
     """Longest completion, in tokens (EOS included). Must be >= 1."""
@@ -247,7 +250,8 @@ class TrainConfig:
     """Evaluate (greedy, on a fixed eval set) every this many steps, at step 0 and at the end."""
 
     eval_size: int = 200
-    """Eval prompts (fixed, disjoint from the training stream for built-in tasks)."""
+    """Eval prompts (fixed; for built-in tasks drawn from their own random stream, whose
+    prompts the training stream may also draw)."""
 
     save_every: int = 50
     """Write a checkpoint every this many steps (and at the end); 0: only at the end. Each

@@ -247,6 +247,36 @@ def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[Tensor
     return ids.to(device), mask.to(device)
 
 
+# the names of learned absolute position tables (GPT-2's wpe, OPT's / BART's embed_positions,
+# GPT-Neo's / BERT-style position_embeddings); rotary / ALiBi models have none
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def position_limit(model) -> int | None:
+    """How many positions a model with learned absolute positions (a table of `n_positions` /
+    `max_position_embeddings` rows) takes; None for rotary / ALiBi models, which extrapolate."""
+    learned = any(
+        isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
+        for name, m in model.named_modules()
+    )
+    config = getattr(model, "config", None)
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    return limit if learned and isinstance(limit, int) else None
+
+
+def check_positions(model, prompt_len: int, new_tokens: int, what: str) -> None:
+    """ValueError when the longest prompt (`prompt_len` tokens) plus `new_tokens` needs more
+    positions than the model's position_limit (it would fail deep in its embedding with an
+    IndexError); `what` names the option that sets `new_tokens` and how to stay within it."""
+    limit = position_limit(model)
+    if limit is not None and prompt_len + new_tokens > limit:
+        raise ValueError(
+            f"{what}: a prompt of {prompt_len} tokens plus {new_tokens} more needs "
+            f"{prompt_len + new_tokens} positions, but the model has {limit} learned positions "
+            f"(its config's n_positions / max_position_embeddings)"
+        )
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -277,6 +307,8 @@ def generate(
     eos = torch.tensor(
         [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=device
     )
+    longest = max(map(len, prompts), default=0)
+    check_positions(model, longest, max_new_tokens, f"--max-new-tokens {max_new_tokens}")
     ids, attn = left_pad([p for p in prompts for _ in range(group_size)], pad_token_id, device)
     N = ids.shape[0]
     positions = (attn.cumsum(-1) - 1).clamp(min=0)

@@ -14,7 +14,14 @@ from torch import nn
 from ..losses import logprobs
 from . import algos
 from .common import Batch, all_ranks
-from .rollout import Rollout, forward_completion_logits, generate, left_pad, sequence_logprobs
+from .rollout import (
+    Rollout,
+    check_positions,
+    forward_completion_logits,
+    generate,
+    left_pad,
+    sequence_logprobs,
+)
 from .state import Run, TrainState
 from .tasks import Example
 
@@ -57,6 +64,8 @@ def supervised_warmup(run: Run, policy: nn.Module) -> None:
         steps = tqdm(steps, desc="supervised warm-up", dynamic_ncols=True, leave=False)
     for _ in steps:
         r = _teacher_forced(run, run.task.warmup_examples(rng, cfg.sft_batch_size))
+        P, T = r.prompt_ids.shape[1], r.completion_ids.shape[1]
+        check_positions(policy, P, T, f"--sft-steps {run.sft_steps} (a target of {T} tokens)")
         with run.amp():
             logits, _ = forward_completion_logits(policy, r)
             lp = logprobs(logits, r.completion_ids)

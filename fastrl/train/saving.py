@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt_io
-from .common import TrainingError, last_good
+from .common import TrainingError, last_good, resume_command
 from .config import TrainConfig
 from .state import Run, TrainState
 
@@ -56,7 +56,8 @@ def save(run: Run, state: TrainState) -> str | None:
     policy_sd = models["policy"] if cfg.fsdp else None
     ckpt = None
     if run.rank == 0:
-        meta = {"step": state.step, "config": cfg.to_dict(), "rng": rank_states[0]}
+        meta = {"step": state.step, "world": run.world, "config": cfg.to_dict()}
+        meta["rng"] = rank_states[0]
         ckpt = ckpt_io.save_checkpoint(
             os.path.join(cfg.out, "checkpoints"),
             state.step,
@@ -142,6 +143,7 @@ def _load(run: Run, state: TrainState, ckpt: str) -> None:
     """Load checkpoint `ckpt` into `state`; CorruptCheckpoint names a bad file (the state may
     then be partly overwritten: load another checkpoint or give up)."""
     optim_state, meta = ckpt_io.load_checkpoint(ckpt, state.models(), run.device)
+    _check_world(run, ckpt, meta)
     path = os.path.join(ckpt, "optimizer.pt")
     try:
         state.opt.load_state_dict(optim_state["optimizer"])
@@ -165,6 +167,25 @@ def _load(run: Run, state: TrainState, ckpt: str) -> None:
     state.step = meta["step"]
     run.console.log(f"resumed from {ckpt} at step {state.step}")
     _check_export(run, ckpt)
+
+
+def _check_world(run: Run, ckpt: str, meta: dict) -> None:
+    """ValueError unless `ckpt` was saved by as many processes as this run has: each rank's
+    prompts, samples and minibatch order continue from that rank's stored RNGs and its share of
+    the task's epochs, which another world size has no way to carry on (its extra ranks would
+    all take rank 0's state and draw the same data). Checkpoints without `world` (an older
+    fastrl's) hold one rng_rank<r>.json per rank when saved by more than one."""
+    saved = meta.get("world")
+    if saved is None:
+        saved = sum(1 for f in os.listdir(ckpt) if f.startswith("rng_rank")) or 1
+    if saved != run.world:
+        raise ValueError(
+            f"--resume: {ckpt} was saved by a run of {saved} process(es), this one has "
+            f"{run.world}; a run resumes only on as many processes as saved it (each rank's "
+            f"data and sampling continue from its own state). Continue it with "
+            f"`{resume_command(run.cfg.out, saved)}`, or start a new run from its weights with "
+            f"--model {os.path.join(ckpt, HF_DIR)}"
+        )
 
 
 def _check_export(run: Run, ckpt: str) -> None:

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 from .rewards import RewardFn, resolve_reward
 
-EVAL_SEED_OFFSET = 1_000_003  # eval prompts come from a stream disjoint from the training one
+# eval prompts come from a random stream of their own (the prompts themselves may also be
+# drawn for training: a built-in task's eval set measures the skill, it is not held out)
+EVAL_SEED_OFFSET = 1_000_003
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ be `grad_scale` (the world size) times the sum: that factor is folded into the n
 `backward()` starts from a gradient of exactly 1 and the fused loss's backward hands on the
 gradient it computed in the forward without another pass over the (n, T, V) logits (a factor
 != 1 there reads and writes every logit once more: DESIGN's "road to the floor", step 3).
+`token-sum` has no normaliser to fold it into: on more than one rank it runs as token-mean over a
+count of 1 / grad_scale (the same sum, times grad_scale), for the same reason.
+A minibatch with no row on any rank (dapo can keep fewer rows than --minibatches) is skipped:
+no forward, no optimizer step (an AdamW step on a zero gradient would still move the weights),
+only the schedule's step, so the learning rate keeps to the RL steps.
 Rows the batch marks untrained (`Batch.trained`: zero advantage, no KL / entropy term) count in
 the normalisers but are not forwarded: their loss and gradient are exactly 0.
 Metric sums and gradient norms stay on the device and are read once per update; a non-finite
@@ -18,14 +23,16 @@ loss, value loss or gradient norm found there raises TrainingError naming the st
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..config import LossConfig
 from ..linear import fused_linear_policy_loss
 from ..losses import policy_loss, value_loss
-from .common import Batch, TrainingError, all_reduce, last_good
+from .common import Batch, TrainingError, all_ranks, all_reduce, last_good
 from .rollout import completion_hidden, forward_completion_logits, truncate_like_sampler
 from .state import Run, TrainState
 
@@ -60,9 +67,14 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
     ratio_max = torch.zeros((), dtype=torch.float64, device=run.device)
     grad_norms, lrs = [], []
     mask = batch.rollout.completion_mask
+    # the most rows a rank has (dapo's vary): minibatch k holds rows on some rank iff k < that
+    rows = N if cfg.algo != "dapo" else int(all_ranks(N, dist.ReduceOp.MAX, run.device))
     for _ in range(cfg.epochs):
         perm = torch.randperm(N, generator=state.shuffle_gen)
-        for mb in torch.tensor_split(perm, cfg.n_minibatches):
+        for k, mb in enumerate(torch.tensor_split(perm, cfg.n_minibatches)):
+            if k >= rows:  # no row on any rank: no step but the schedule's
+                state.sched.step()
+                continue
             one = torch.tensor(float(len(mb)), device=mask.device)
             num_tokens, num_seqs = all_reduce(torch.stack([mask[mb.to(run.device)].sum(), one]))
             if batch.trained is not None:  # rows of exactly zero loss: counted, not forwarded
@@ -76,7 +88,7 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
                 ratio_max = torch.maximum(ratio_max, rmax)
             lrs.append(state.sched.get_last_lr()[0])  # the lr of this optimizer step
             grad_norms.append(_clip_and_step(cfg, state))
-    n_opt = cfg.epochs * cfg.n_minibatches
+    n_opt = len(grad_norms)
     # the one host read of this update: metric sums, ratio max, every grad norm pair
     ratio_max = all_reduce(ratio_max.reshape(1), dist.ReduceOp.MAX if run.world > 1 else None)
     norms = torch.stack(grad_norms).double().flatten()
@@ -120,6 +132,9 @@ def _micro_step(
     cfg, r = run.cfg, batch.rollout
     # the rank-average of DDP / FSDP2 folded into the normalisers (see the module docstring)
     num_tokens, num_seqs = num_tokens / run.grad_scale, num_seqs / run.grad_scale
+    loss_cfg = run.loss_cfg
+    if loss_cfg.agg == "token-sum" and run.grad_scale != 1:  # no normaliser to fold it into
+        loss_cfg, num_tokens = _as_token_mean(loss_cfg), 1.0 / run.grad_scale
     if len(idx) == 0:  # an empty micro-batch still joins DDP's all-reduce: a masked row
         idx = torch.zeros(1, dtype=torch.long, device=run.device)
         mask = torch.zeros_like(r.completion_mask[idx])
@@ -136,7 +151,7 @@ def _micro_step(
                 batch.ref_logp[idx] if batch.ref_logp is not None else None,
                 mask,
             )
-            kw = dict(config=run.loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
+            kw = dict(config=loss_cfg, num_tokens=num_tokens, num_seqs=num_seqs)
             if run.fused_lm_head:  # LM head through the fused linear loss: never (n, T, V)
                 hidden, head = completion_hidden(state.train_policy, r, idx)
                 w = head.weight
@@ -182,6 +197,13 @@ def _micro_step(
     )
     rmax = torch.where(n_tok > 0, m["ratio_max"].double(), zero)
     return sums, rmax
+
+
+@functools.lru_cache(maxsize=4)
+def _as_token_mean(loss_cfg: LossConfig) -> LossConfig:
+    """`loss_cfg` (token-sum) as token-mean: Σ m L / num_tokens is the token-sum Σ m L times
+    grad_scale at num_tokens = 1 / grad_scale."""
+    return loss_cfg.replace(agg="token-mean")
 
 
 @contextlib.contextmanager
