@@ -141,8 +141,9 @@ def check_temperature_rows(
     ok = ok and temperature.device in (torch.device(device), torch.device("cpu"))
     if not ok:
         raise ValueError(
-            f"temperature as a tensor must be a float tensor of shape {expected}, on {device} "
-            f"or the CPU; got {describe(temperature)}"
+            f"temperature as a tensor must be a float tensor of shape {expected}, on {device}"
+            f"{'' if torch.device(device).type == 'cpu' else ' or the CPU'}; got "
+            f"{describe(temperature)}"
         )
     t = temperature.detach()
     if t.device.type == "cpu" and not torch.compiler.is_compiling() and t.numel() > 0:
@@ -316,8 +317,9 @@ def prepare_policy_inputs(
     packing = None
     if cu_seqlens is not None:
         if not flat:
+            rows = "(N, H) hidden states" if logits is None else "(N, V) logits"
             raise ValueError(
-                f"cu_seqlens is given, so the rows must be flat (N, V) logits / (N,) per-token "
+                f"cu_seqlens is given, so the rows must be flat {rows} / (N,) per-token "
                 f"tensors of packed sequences, got (B, T) = {(B, T)}"
             )
         packing = make_packing(cu_seqlens, T, dev, max_seqlen)

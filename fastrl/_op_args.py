@@ -2,8 +2,9 @@
 
 `POLICY_ARGS_SCHEMA` is the argument list of fastrl::policy_loss_grad(_) and
 fastrl::linear_policy_grad; `op_inputs` packs a PolicyInputs into it and `policy_inputs_from_op`
-unpacks it. The LossConfig travels as a string constant (`config_key`); Python counts travel in
-it, tensor counts, a per-token temperature and packed-sequence boundaries as tensors.
+unpacks it. The LossConfig travels as its numbers (a `float[]`, Python counts included) and a
+string constant of the rest (`config_key`); tensor counts, a per-token temperature and
+packed-sequence boundaries as tensors.
 `flat_inputs` / `select_rows` give the (1, R) rows of a token-separable loss's chunk.
 """
 
@@ -41,23 +42,56 @@ def _source_key() -> str:
 SOURCE_KEY = _source_key()
 
 
-def config_key(cfg) -> str:
-    """A LossConfig as a string, a constant of the op schema (so of a compiled graph): the
-    `name=repr(value)` of every field, joined by ";" (`config_from_key` inverts it). Built field
+def _numeric_fields() -> dict[str, bool]:
+    """LossConfig's number fields (float, int, optional or not), each -> whether it is an int."""
+    out = {}
+    for f in dataclasses.fields(LossConfig):
+        kinds = {t.strip() for t in str(f.type).split("|")} - {"None"}
+        if kinds & {"float", "int"}:
+            out[f.name] = kinds == {"int"}
+    return out
+
+
+_NUMERIC = _numeric_fields()
+
+
+def config_key(cfg) -> tuple[list[float], str]:
+    """A LossConfig as op arguments: its numbers (a `float[]`) and the rest as a string, a
+    constant of the op schema (so of a compiled graph): `name=repr(value)` of every field but
+    the numbers, which appear as `name=#` (`name=None` when unset), joined by ";"
+    (`config_from_key` inverts it).
+
+    The numbers are arguments, not part of the string: torch.compile makes a Python number that
+    changes between calls (a kl_coef, a temperature, a num_tokens, a LossConfig rebuilt every
+    step) symbolic, and a symbolic number cannot be formatted into a constant ("BUILD_STRING
+    type error" under fullgraph=True); as a `float[]` argument it is a graph input. Built field
     by field, so that Dynamo folds it from the values it traces: a config created or replaced
     inside a compiled region (a preset name, keyword overrides) is never rebuilt from its class
     defaults (asdict of a traced dataclass once handed the op the default clip range)."""
-    return ";".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
+    values, items = [], []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in _NUMERIC and v is not None:
+            values.append(float(v))  # ints up to 2**53 are exact
+            items.append(f"{f.name}=#")
+        else:
+            items.append(f"{f.name}={v!r}")
+    return values, ";".join(items)
 
 
-def config_from_key(key: str):
-    """The LossConfig of `config_key` (all its values are None, bools, numbers or strings)."""
-
-    def value(text: str):
-        return float(text) if text in ("inf", "-inf", "nan") else ast.literal_eval(text)
-
-    items = (item.split("=", 1) for item in key.split(";"))
-    return LossConfig(**{name: value(text) for name, text in items})
+def config_from_key(values: list[float], key: str):
+    """The LossConfig of `config_key`'s (values, key): the strings, bools and Nones of `key`,
+    its `#` fields the `values` in order (an int field's as an int)."""
+    numbers = iter(values)
+    fields = {}
+    for item in key.split(";"):
+        name, text = item.split("=", 1)
+        if text == "#":
+            v = next(numbers)
+            fields[name] = int(v) if _NUMERIC[name] else v
+        else:
+            fields[name] = ast.literal_eval(text)
+    return LossConfig(**fields)
 
 
 def flat_inputs(x):
@@ -87,13 +121,14 @@ def select_rows(x, rows):
 
 # The per-token inputs of a policy loss, as custom-op arguments: written once here, used by the
 # schemas of fastrl::policy_loss_grad(_) and fastrl::linear_policy_grad, packed from PolicyInputs
-# by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in the config key;
+# by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in config_values;
 # a per-token temperature (PolicyInputs.temperature_rows, fp32 (B, T)) travels as
 # `temperature_rows` and replaces the config's float temperature.
 POLICY_ARGS_SCHEMA = (
     "Tensor tokens, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
     "Tensor? rollout_logp, Tensor mask, Tensor? num_tokens, Tensor? num_seqs, "
-    "Tensor? temperature_rows, Tensor? cu_seqlens, int max_seqlen, str config"
+    "Tensor? temperature_rows, Tensor? cu_seqlens, int max_seqlen, float[] config_values, "
+    "str config"
 )
 
 
@@ -103,14 +138,14 @@ def op_inputs(x) -> tuple:
     pack = x.packing
     packing = (None, 0) if pack is None else (pack.cu_seqlens, pack.max_seqlen)
     return (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts,
-            x.temperature_rows, *packing, config_key(x.config))  # fmt: skip
+            x.temperature_rows, *packing, *config_key(x.config))  # fmt: skip
 
 
 def policy_inputs_from_op(logits, args):
     """PolicyInputs from the POLICY_ARGS_SCHEMA arguments `args` (the inverse of `op_inputs`)."""
     tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs = args[:8]
-    temperature_rows, cu_seqlens, max_seqlen, key = args[8:]
-    cfg = config_from_key(key)
+    temperature_rows, cu_seqlens, max_seqlen, values, key = args[8:]
+    cfg = config_from_key(values, key)
     packing = None
     if cu_seqlens is not None:  # checked by the public entry that packed the op's arguments
         packing = make_packing(cu_seqlens, mask.shape[1], mask.device, max_seqlen, check=False)

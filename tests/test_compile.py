@@ -2,7 +2,8 @@
 
 The fused ops are torch.library custom ops (fastrl::token_logprobs and friends) with fake
 implementations and registered autograd, so Dynamo traces policy_loss without a graph break;
-float hyper-parameters are constants of the graph, fp32 in every kernel.
+the config's numbers are a float[] argument of the ops (new values every call trace once more,
+then run as graph inputs), fp32 in every kernel.
 """
 
 from __future__ import annotations
@@ -116,10 +117,50 @@ def test_compiled_gradient_uses_the_config_resolved_in_the_graph(config, overrid
     torch.testing.assert_close(grads[1], z.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_step_takes_new_numbers_every_call(monkeypatch, backend):
+    """A compiled step called with other numbers each time (an adaptive kl_coef, a new
+    temperature, an int num_tokens, a LossConfig rebuilt every step): torch.compile makes them
+    symbolic after the first call, and formatting one into the op's config string failed
+    ("BUILD_STRING type error"); they now travel as the op's float[] argument. Loss and
+    gradients equal eager's at every call, on both the logits and the LM-head paths."""
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    b = _batch()
+    g = torch.Generator().manual_seed(1)
+    H = 6
+    hidden = torch.randn(3, 5, H, generator=g)
+    weight = torch.randn(23, H, generator=g) / H**0.5
+    rest = (b["tokens"], b["advantages"], b["old_logp"], b["ref_logp"], b["mask"])
+
+    def step(logits, hidden, weight, beta, tau, n):
+        cfg = fastrl.LossConfig.grpo(kl_coef=beta)  # rebuilt every step
+        a = fastrl.policy_loss(logits[:, :-1], *rest, config=cfg, temperature=tau, num_tokens=n)
+        c = fastrl.fused_linear_policy_loss(
+            hidden,
+            weight,
+            *rest,
+            config=cfg,
+            max_len=n,
+            temperature=tau,
+            agg="seq-mean-token-sum-norm",
+        )
+        return a.loss + c.loss  # fmt: skip
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for beta, tau, n in [(0.04, 1.0, 11), (0.1, 0.7, 13), (0.5, 1.3, 17)]:
+        results = []
+        for fn in (step, compiled):
+            leaves = [t.clone().requires_grad_() for t in (b["logits"], hidden, weight)]
+            loss = fn(*leaves, beta, tau, n)
+            results.append((loss, *torch.autograd.grad(loss, leaves)))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_config_key_round_trips_every_value():
     cfg = fastrl.LossConfig.gspo(clip_dual=3.0, num_tokens=7.0, max_len=5, rollout_is="token",
                                  rollout_is_cap=1e30, temperature=0.7)  # fmt: skip
-    assert ops.config_from_key(ops.config_key(cfg)) == cfg
+    assert ops.config_from_key(*ops.config_key(cfg)) == cfg
 
 
 def test_compiled_logprobs_no_grad(monkeypatch):

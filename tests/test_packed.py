@@ -164,8 +164,12 @@ def test_bad_cu_seqlens_is_refused(cu, match):
 
 def test_bad_packed_inputs_name_the_argument():
     cu, p, q, adv = _batch()
-    with pytest.raises(ValueError, match="rows must be flat"):
+    with pytest.raises(ValueError, match=r"rows must be flat \(N, V\) logits"):
         fastrl.policy_loss(q["logits"], q["tokens"], adv, cu_seqlens=cu)
+    B, T = q["tokens"].shape
+    hidden, weight = torch.randn(B, T, 4), torch.randn(q["logits"].shape[-1], 4)
+    with pytest.raises(ValueError, match=r"rows must be flat \(N, H\) hidden states"):
+        fastrl.fused_linear_policy_loss(hidden, weight, q["tokens"], adv, cu_seqlens=cu)
     with pytest.raises(
         ValueError, match=r"advantages .*\(19,\) or \(1, 19\) \(like tokens\) or \(6,\)"
     ):
