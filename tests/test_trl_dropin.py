@@ -82,10 +82,15 @@ def train_ours(monkeypatch, model_dir, out, **kw):
     and never TRL's chunked one."""
     calls = []
     real_linear_logprobs = fastrl.linear_logprobs
+    real_cast_head = fastrl_trl._cast_head_logprobs  # the head's weight in another dtype
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("mask"))
         return real_linear_logprobs(*args, **kwargs)
+
+    def counting_cast(hidden, weight, bias, tokens, mask, *args):
+        calls.append(mask)
+        return real_cast_head(hidden, weight, bias, tokens, mask, *args)
 
     class NoTRLHead:
         @staticmethod
@@ -93,6 +98,7 @@ def train_ours(monkeypatch, model_dir, out, **kw):
             raise AssertionError("the drop-in ran TRL's fused LM head")
 
     monkeypatch.setattr(fastrl, "linear_logprobs", counting)
+    monkeypatch.setattr(fastrl_trl, "_cast_head_logprobs", counting_cast)
     monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", NoTRLHead)
     result = train(fastrl_trl.GRPOTrainer, model_dir, out, **kw)
     assert calls and all(m is not None and not m[:, 0].any() for m in calls)  # prompt skipped
@@ -281,3 +287,76 @@ def test_peak_memory_of_a_step_not_above_trl(tmp_path):
     # the logits of one micro-batch are 8 x 19 x 32768 fp32 = 20 MB: TRL (on CPU its head
     # scores every position in one 32768-row chunk) holds them, fastrl never does
     assert ours <= stock, f"peak RSS of a step: fastrl {ours} kB > TRL {stock} kB"
+
+
+# ------------------------------------------------------------------------------ the head's dtypes
+def _saved_bytes_beyond_parameters(model, run):
+    """(result of run(), bytes of the tensors autograd saves during run() for the backward,
+    each storage once, the model's parameters left out: what the graph holds between the
+    forward and the backward beyond what the model holds anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(saved.values())
+
+
+# TRL's usual mixed precision (fp32 master weights under bf16 autocast) and a bf16 model with
+# cast_lm_head_to_fp32: the head's weight is not in the GEMM dtype. TRL's ChunkedLogProbFunction
+# casts it per chunk; casting it whole (and saving the copy for the backward) held 4 MiB (bf16
+# copy of the fp32 weight) / 8 MiB (fp32 copy of the bf16 weight) here beyond TRL's ~0.2 MiB.
+@pytest.mark.parametrize("setting", ["autocast-fp32-weights", "bf16-cast_lm_head_to_fp32"])
+def test_head_saves_no_weight_copy_and_matches_trl(setting):
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    V, H = 32768, 64
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4,
+                         tie_word_embeddings=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    cast = setting == "bf16-cast_lm_head_to_fp32"
+    if cast:
+        model = model.to(torch.bfloat16)
+    stock, ours = copy.deepcopy(model), copy.deepcopy(model)
+    add_fused_lm_head(stock, 0.7, cast_lm_head_to_fp32=cast, outputs=("log_probs", "entropy"))
+    fastrl_trl.add_fastrl_lm_head(ours, 0.7, cast, entropy=True)
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :8] = -100
+
+    results = {}
+    for name, m in (("trl", stock), ("fastrl", ours)):
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not cast)
+
+        def run(m=m, ctx=ctx):
+            with ctx:
+                return m(input_ids=ids, labels=labels, fused_lm_head=True)
+
+        out, held = _saved_bytes_beyond_parameters(m, run)
+        (out.log_probs.sum() + 0.3 * out.entropy.sum()).backward()
+        results[name] = (out, held, m.lm_head.weight.grad)
+
+    (out_t, held_t, grad_t), (out_f, held_f, grad_f) = results["trl"], results["fastrl"]
+    weight_copy = V * H * (4 if cast else 2)  # the weight in the GEMM dtype
+    assert held_f <= held_t + weight_copy // 16, (
+        f"{setting}: the drop-in head holds {held_f} B for the backward, TRL {held_t} B "
+        f"(a copy of the weight is {weight_copy} B)"
+    )
+    assert grad_f.dtype == grad_t.dtype == model.lm_head.weight.dtype
+    mask = labels[:, 1:] != -100
+    tol = dict(rtol=1e-4, atol=1e-4) if cast else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_f.log_probs[mask], out_t.log_probs[mask], **tol)
+    torch.testing.assert_close(out_f.entropy[mask], out_t.entropy[mask], **tol)
+    scale = grad_t.float().abs().max()
+    torch.testing.assert_close(grad_f.float() / scale, grad_t.float() / scale, **tol)

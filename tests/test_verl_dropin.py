@@ -104,6 +104,77 @@ def test_policy_loss_modes_equal_verl(mode, agg, installed):
             assert g1.abs().sum() > 0
 
 
+def _both_losses(mode, agg, info, installed, B=4, T=6, **config_fields):
+    """[(loss, grad) or the ValueError] of verl's `mode` and fastrl's, on one batch, with
+    `info` in config.global_batch_info."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[1] = False
+    advantages = torch.randn(B, T, generator=g)
+    old = -2 * torch.rand(B, T, generator=g)
+    new = old + 0.3 * torch.randn(B, T, generator=g)
+    results = []
+    for name in (mode, fastrl_mode(mode)):
+        config = actor_config(mode, loss_agg_mode=agg, **config_fields)
+        config.global_batch_info.update(info)
+        logp = new.clone().requires_grad_()
+        try:
+            loss, _ = core_algos.get_policy_loss_fn(name)(
+                old_log_prob=old, log_prob=logp, advantages=advantages, response_mask=mask,
+                loss_agg_mode=agg, config=config,
+            )  # fmt: skip
+        except ValueError as e:
+            results.append(e)
+            continue
+        results.append((loss.detach(), torch.autograd.grad(loss, logp)[0]))
+    return results
+
+
+# verl's agg_loss needs the global counts once dp_size > 1: without them it raises (a local count
+# times dp_size would make the gradient dp_size times too large); fastrl raised nothing.
+@pytest.mark.parametrize("mode", MODES)
+def test_dp_size_without_global_counts_raises_as_verl(mode, installed):
+    raised = 0
+    for agg in AGGS:
+        for info in (
+            dict(dp_size=2),
+            dict(dp_size=2, batch_num_tokens=30),
+            dict(dp_size=2, global_batch_size=8),
+            dict(dp_size=2, batch_num_tokens=None, global_batch_size=None),
+        ):
+            theirs, ours = _both_losses(mode, agg, info, installed)
+            if isinstance(theirs, ValueError):
+                raised += 1
+                missing = "batch_num_tokens" if "batch_num_tokens" in str(theirs) else None
+                missing = missing or "global_batch_size"
+                assert missing in str(theirs)
+                assert isinstance(ours, ValueError), (mode, agg, info, ours)
+                assert missing in str(ours) and "dp_size" in str(ours), (mode, agg, info)
+            else:
+                assert not isinstance(ours, ValueError), (mode, agg, info, ours)
+                torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
+    assert raised > 0
+
+
+# verl's agg_loss reads loss_scale_factor from config.global_batch_info (verl's ppo_loss copies
+# the actor's loss_scale_factor there), not from config.loss_scale_factor; fastrl read the latter
+# (with only config.loss_scale_factor=100: verl -0.01898 (T = 6), fastrl -0.001139).
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo"])
+def test_loss_scale_factor_read_as_verl(mode, installed):
+    # (config.loss_scale_factor, global_batch_info["loss_scale_factor"]); (100, 100) is what
+    # verl's ppo_loss passes
+    for actor_factor, info_factor in [(100, None), (None, 4), (100, 4), (100, 100), (None, None)]:
+        info = {} if info_factor is None else {"loss_scale_factor": info_factor}
+        theirs, ours = _both_losses(
+            mode, "seq-mean-token-sum-norm", info, installed, loss_scale_factor=actor_factor
+        )
+        case = (mode, actor_factor, info_factor)
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-7, msg=str(case))
+        torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-8, msg=str(case))
+        assert theirs[1].abs().sum() > 0
+
+
 def test_refused_loss_modes():
     for mode in ("clip_cov", "kl_cov", "geo_mean", "dro", "dppo_tv", "dppo_kl", "bypass_mode"):
         with pytest.raises(ValueError, match="loss_mode"):

@@ -55,12 +55,13 @@ from __future__ import annotations
 
 import functools
 import types
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from .. import ops
 from ..config import LossConfig
+from ..linear import default_chunk, linear_token_stats, linear_token_stats_backward
 from .trl_config import _PER_STEP_LOSS_TYPES
 from .trl_config import loss_config_from_trl as loss_config_from_trl  # public here too
 
@@ -128,23 +129,27 @@ def add_fastrl_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool, en
         if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head once
             weight = weight.full_tensor()
             bias = None if bias is None else bias.full_tensor()
+        # the GEMM dtype of TRL's ChunkedLogProbFunction: fp32 with cast_lm_head_to_fp32, else
+        # the autocast dtype, else the hidden states'
         device_type = hidden.device.type
-        autocast_ctx = nullcontext()
         if cast_lm_head_to_fp32:
             dtype = torch.float32
-            autocast_ctx = torch.autocast(device_type, enabled=False)
         elif torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)  # what F.linear would run in
+            dtype = torch.get_autocast_dtype(device_type)
         else:
-            dtype = weight.dtype
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-        with autocast_ctx:
-            out = fastrl.linear_logprobs(
-                hidden, weight, labels.clamp(min=0), bias=bias, temperature=temperature,
-                entropy=entropy, mask=mask, logit_scale=logit_scale, softcap=softcap,
-            )  # fmt: skip
-        log_probs, ent = out if entropy else (out, None)
+            dtype = hidden.dtype
+        tokens = labels.clamp(min=0)
+        with torch.autocast(device_type, enabled=False):
+            if weight.dtype == dtype and (bias is None or bias.dtype == dtype):
+                out = fastrl.linear_logprobs(
+                    hidden.to(dtype), weight, tokens, bias=bias, temperature=temperature,
+                    entropy=True, mask=mask, logit_scale=logit_scale, softcap=softcap,
+                )  # fmt: skip
+            else:  # cast in the forward and again in the backward: no (V, H) copy is saved
+                out = _cast_head_logprobs(
+                    hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale, softcap
+                )
+        log_probs, ent = out if entropy else (out[0], None)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / count
         aux_loss = None
@@ -164,6 +169,70 @@ def add_fastrl_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool, en
         )
 
     model.forward = types.MethodType(_forward, model)
+
+
+class _CastHeadLogprobs(torch.autograd.Function):
+    """`fastrl.linear_logprobs` of hidden against weight / bias run in `dtype` when their own
+    dtype differs (fp32 master weights under bf16 autocast, a bf16 head with
+    cast_lm_head_to_fp32): the casts are made in the forward and again in the backward, so the
+    graph keeps the tensors it was given (the head's parameters, held anyway) and no (V, H) copy
+    between forward and backward, as TRL's ChunkedLogProbFunction (which casts per chunk).
+    dW is accumulated in fp32 and rounded to `dtype` by the op, then cast to weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale, softcap):
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        chunk = default_chunk(w.shape[0])
+        logp, ent, lse = linear_token_stats(
+            h, w, b, tokens, mask, temperature, logit_scale, softcap, chunk, None, ops.SOURCE_KEY
+        )
+        del h, w, b
+        ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, lse, ent)
+        ctx.args = (dtype, temperature, logit_scale, softcap, chunk)
+        ctx.mark_non_differentiable(lse)
+        return logp.view(tokens.shape), ent.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        ops.refuse_double_backward("linear_logprobs")
+        hidden, weight, bias, tokens, mask, logp, lse, ent = ctx.saved_tensors
+        dtype, temperature, logit_scale, softcap, chunk = ctx.args
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            dh, dw, db = linear_token_stats_backward(
+                h, w, b, tokens, mask, logp, lse, ent, grad_logp, grad_entropy,
+                temperature, logit_scale, softcap, chunk, None,
+            )  # fmt: skip
+        del h, w, b
+        dh = dh.view(hidden.shape).to(hidden.dtype)
+        db = None if bias is None else db.to(bias.dtype)
+        return dh, dw.to(weight.dtype), db, None, None, None, None, None, None
+
+
+def _cast_head_logprobs(hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale,
+                        softcap):  # fmt: skip
+    """(logp, H) fp32 shaped like tokens: `fastrl.linear_logprobs(hidden, weight, tokens, ...)`
+    with hidden, weight and bias cast to `dtype` (its checks of tokens, mask, temperature,
+    logit_scale and softcap), through _CastHeadLogprobs."""
+    from .._inputs import check_mask, check_number, check_temperature
+    from ..linear import _check_tokens
+
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != tokens.device:
+            raise ValueError(f"{name} is on {t.device}; expected the labels' {tokens.device}")
+    _check_tokens(tokens, hidden, weight.shape[0])
+    mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device, as_float=False)
+    check_number("logit_scale", logit_scale, "a float > 0", lambda c: c > 0)
+    if softcap is not None:
+        softcap = check_number("softcap", softcap, "None or a float > 0", lambda c: c > 0)
+    return _CastHeadLogprobs.apply(
+        hidden, weight, bias, tokens, mask, dtype, check_temperature(temperature),
+        float(logit_scale), softcap,
+    )  # fmt: skip
 
 
 def _trainer_loss_config(args: Any) -> LossConfig:

@@ -59,7 +59,9 @@ the "full" KL and the straight-through "+" KL variants. verl's GSPO clamps the l
 rather than +-20, which only matters where the ratio is above e^10. verl's seq-mean modes count
 only sequences with a counted token when no global batch size is given (the registered loss
 passes that count); its `token-sum` and the others are multiplied by dp_size (done by the
-registered loss; `fastrl.policy_loss` users pass global counts divided by dp_size).
+registered loss; `fastrl.policy_loss` users pass global counts divided by dp_size). With
+dp_size > 1 verl requires the global count (batch_num_tokens for token-mean, global_batch_size
+for the seq-mean modes): the registered loss raises a ValueError naming it, as verl does.
 """
 
 from __future__ import annotations
@@ -164,14 +166,27 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
 # ============================================================================ registered loss
 def _verl_counts(agg: str, mask: Tensor, info: Mapping) -> tuple[dict, float]:
     """verl's `agg_loss` normalisers as fastrl counts: ({num_tokens / num_seqs}, the factor
-    dp_size the aggregated loss is multiplied by)."""
+    dp_size the aggregated loss is multiplied by). As verl, the local count stands in for a
+    missing global one only when dp_size is 1; with dp_size > 1 that is a ValueError (verl's)."""
     dp = int(info.get("dp_size") or 1)
     counts: dict[str, Any] = {}
     if agg == "token-mean":
         tokens = info.get("batch_num_tokens")
+        if tokens is None and dp > 1:
+            raise ValueError(
+                f"loss_agg_mode='token-mean' with dp_size={dp} > 1 needs the global token count "
+                "global_batch_info['batch_num_tokens'] (verl: (global) batch_num_tokens is "
+                "required when dp_size > 1)"
+            )
         counts["num_tokens"] = mask.sum() if tokens is None else tokens
     elif agg.startswith("seq-mean"):
         seqs = info.get("global_batch_size")
+        if seqs is None and dp > 1:
+            raise ValueError(
+                f"loss_agg_mode={agg!r} with dp_size={dp} > 1 needs the global sequence count "
+                "global_batch_info['global_batch_size'] (verl: global_batch_size is required "
+                "when dp_size > 1)"
+            )
         counts["num_seqs"] = (mask.sum(-1) > 0).sum() if seqs is None else seqs
     counts = {
         k: torch.as_tensor(v, dtype=torch.float32, device=mask.device).reshape(()).clamp(min=1e-20)
@@ -208,8 +223,12 @@ def make_policy_loss(loss_mode: str = "fastrl"):
         agg = "seq-mean-token-mean" if base == "sapo" else loss_agg_mode
         info = dict(_get(config, "global_batch_info", {}) or {})
         counts, scale = _verl_counts(agg, response_mask, info)
-        # the policy term only: verl adds its KL and entropy terms itself
+        # the policy term only: verl adds its KL and entropy terms itself. verl's agg_loss reads
+        # loss_scale_factor from global_batch_info (its ppo_loss copies the actor's there), not
+        # from the actor config
         actor = {**_actor_fields(config), "use_kl_loss": False}
+        if info.get("loss_scale_factor") is not None:
+            actor["loss_scale_factor"] = info["loss_scale_factor"]
         cfg = loss_config_from_verl(actor, loss_mode=base, agg=agg, entropy_coef=0.0)
         weighted = advantages
         if rollout_is_weights is not None:
@@ -227,7 +246,7 @@ def make_policy_loss(loss_mode: str = "fastrl"):
 def _actor_fields(config: Any) -> dict:
     """The actor fields `loss_config_from_verl` reads, from an ActorConfig / DictConfig / dict."""
     keys = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
-            "tau_pos", "tau_neg", "loss_scale_factor")  # fmt: skip
+            "tau_pos", "tau_neg")  # fmt: skip
     return {k: _get(config, k) for k in keys if _get(config, k) is not None}
 
 
