@@ -176,12 +176,14 @@ def make_step(op: str, x: dict, hidden, weight, config: str, group):
     return step
 
 
-def comm_plan(op: str, args, P: int) -> dict:
+def comm_plan(op: str, args, P: int, device: str) -> dict:
     """The collectives one vocab-parallel call makes (fastrl.vocab_parallel's docstring): sizes
-    in bytes and how many all-gathers of (3, rows) fp32."""
+    in bytes and how many all-gathers of (3, rows) fp32; `device` the job's ("cpu" / "cuda":
+    the library's default chunk depends on it)."""
     N, itemsize = args.N, common.DTYPES[args.dtype].itemsize
     chunk = default_chunk(
-        max(shard_rows(args.V, P, r).stop - shard_rows(args.V, P, r).start for r in range(P))
+        max(shard_rows(args.V, P, r).stop - shard_rows(args.V, P, r).start for r in range(P)),
+        device,
     )
     per_chunk = op == "policy-loss" and is_token_separable(resolve_config(args.config, {}))
     sizes = [min(chunk, N - i) for i in range(0, N, chunk)] if per_chunk else [N]
@@ -290,7 +292,7 @@ def _worker(rank: int, job: dict, tmp: str) -> None:
             times = _timed(step, args.warmup, args.rep, device, group)
             res = {"loss": loss, "times": times}
             if group is not None:
-                plan = comm_plan(op, args, P)
+                plan = comm_plan(op, args, P, job["device"])
                 comm = _comm_fn(plan, P, hidden.dtype, args.N, args.H, device, group)
                 res["comm_times"] = _timed(comm, 1, args.rep, device, group)
             out[op] = res
@@ -373,7 +375,7 @@ def make_rows(job: dict, results: list[dict], args, tmp: str) -> list[dict]:
             "TFLOPs": GEMMS[op] * args.N * args.H * args.V / 1e12 / (t["median"] / 1e3),
         }
         if P > 1:
-            plan = comm_plan(op, args, P)
+            plan = comm_plan(op, args, P, job["device"])
             c = _stats([r[op]["comm_times"] for r in results])
             row.update({k: v for k, v in plan.items() if k.startswith("comm_")})
             row["comm_MB"] = sum(v for k, v in plan.items() if k.startswith("comm_")) / 2**20

@@ -8,7 +8,8 @@ Per chunk of R rows (the rows whose mask is not 0, gathered from hidden (N, H) o
     z' = z / tau                   then the fused row statistics of fastrl.ops (logp, H, lse)
 
 and, for a gradient, dL/dz in place of z (SPEC 6), dL/da = dz * dz/da, then dX[rows] = da W and
-dW += da^T X (fp32 accumulation of dW and db across chunks, cast once at the end).
+dW += da^T X (dW and db accumulated across chunks in fp32, each chunk's product formed in fp32
+as well, cast once at the end).
 
 Registered ops (namespace "fastrl"; fake implementations included, so torch.compile traces them):
   fastrl::linear_token_stats(hidden, weight, bias, tokens, mask, tau, s, c, chunk,
@@ -35,12 +36,24 @@ from torch import Tensor
 from . import chunked, ops
 from .terms import aggregation_weights, is_token_separable
 
-
 # --------------------------------------------------------------------------- chunk helpers
-def default_chunk(V: int) -> int:
-    """Rows per chunk of the LM-head paths: about 64 MB of fp32 logits (a few such
-    temporaries exist at once)."""
-    return 2 * chunked.chunk_rows(V)
+GPU_CHUNK_ROWS = 4096  # rows per chunk on a GPU: not yet tuned by measurement (see below)
+GPU_CHUNK_BYTES = 2 << 30  # at most this many bytes of one chunk's bf16 / fp16 logits
+
+
+def default_chunk(V: int, device: torch.device | str | None = None) -> int:
+    """Rows per chunk of the LM-head paths on `device` (None: the CPU's).
+
+    CPU: about 64 MB of fp32 logits (a few such temporaries exist at once).
+    GPU: GPU_CHUNK_ROWS, fewer where a chunk's half-precision logits would pass GPU_CHUNK_BYTES.
+    Every chunk re-reads the (V, H) weight in its logits and dX GEMMs and reads and writes the
+    fp32 dW sum (8 V H bytes), whatever its rows: at the CPU's ~110 rows (V = 151936) a batch of
+    N = 8192 rows at H = 4096 would move ~373 GB for dW alone, against ~7.5 GB in two chunks of
+    4096. 4096 is an estimate from those bytes, not a measurement: the GPU run's
+    bench_fused_linear `--chunk-sizes` rows time the alternatives."""
+    if torch.device(device or "cpu").type == "cpu":
+        return 2 * chunked.chunk_rows(V)
+    return max(1, min(GPU_CHUNK_ROWS, GPU_CHUNK_BYTES // (2 * max(V, 1))))
 
 
 def _active_rows(mask: Tensor | None, N: int, device) -> Tensor:
@@ -115,46 +128,69 @@ def _to_pre_activation(dz: Tensor, factor, logit_scale: float) -> Tensor:
     return dz
 
 
+# `torch.addmm(acc, a, b, out_dtype=torch.float32)` from bf16 / fp16 inputs (CUDA; torch >= 2.8)
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _add_product_fp32(acc: Tensor, a: Tensor, b: Tensor, first: bool, buf: _Buffer) -> None:
+    """acc = a @ b (first) or acc += a @ b, acc fp32 (V, H), a = dz^T (V, R), b (R, H): the product
+    is formed and added in fp32, never rounded to a bf16 / fp16 GEMM's dtype first. (Rounding
+    each chunk's product before the sum adds an error per chunk: with many chunks dW drifts by
+    many ulps from the same sum taken once; test_fused_linear's dW-independent-of-chunk test.)
+    CUDA: the half-precision GEMM with an fp32 output; elsewhere an fp32 GEMM on an fp32 copy
+    of dz (in the buffer's fp32 scratch) and of the rows."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b.float(), beta=0.0 if first else 1.0)  # beta = 0: no zero fill, no read
+    elif _MM_OUT_DTYPE and acc.device.type == "cuda":
+        if first:
+            torch.mm(a, b, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        a32 = buf.f32(a.shape[1]).copy_(a.t()).t()
+        acc.addmm_(a32, b.float(), beta=0.0 if first else 1.0)
+
+
 class _Grads:
-    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32.
+    """grad_hidden (N, H) in hidden's dtype; grad_weight (V, H) and grad_bias (V,) in fp32,
+    accumulated across chunks in fp32 (each chunk's product too: `_add_product_fp32`) and
+    returned in fp32 (the caller casts: `linear_logprobs`' autograd to the weight's dtype, the
+    TRL head's fp32 master weights keep the full sum).
 
     Nothing is zero-filled that the chunks overwrite anyway: the first chunk writes dW (and db)
     directly, and grad_hidden is zeroed only when some rows are skipped (`n_active` < N)."""
 
-    def __init__(self, N: int, n_active: int, weight: Tensor, bias, hidden_dtype):
+    def __init__(self, N: int, n_active: int, weight: Tensor, bias, hidden_dtype, buf: _Buffer):
         V, H = weight.shape
         dev = weight.device
         alloc = torch.empty if n_active == N else torch.zeros
         self.hidden = alloc(N, H, dtype=hidden_dtype, device=dev)
         self.weight = torch.empty(V, H, dtype=torch.float32, device=dev)
         self.bias = None if bias is None else torch.empty(V, dtype=torch.float32, device=dev)
+        self.buf = buf
         self.started = False
 
     def add(self, idx: Tensor, rows: Tensor, dz: Tensor, weight: Tensor) -> None:
-        """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V) in the GEMM dtype)."""
-        dz = dz.to(rows.dtype)
-        self.hidden.index_copy_(0, idx, dz @ weight)
+        """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V): fp32 after a logit
+        scale or softcap, else in the GEMM dtype; the dX GEMM runs in the rows' dtype)."""
         first, self.started = not self.started, True
-        if dz.dtype == torch.float32:  # beta = 0 on the first chunk: no zero fill, no read
-            self.weight.addmm_(dz.t(), rows, beta=0.0 if first else 1.0)
-        elif first:  # a bf16 / fp16 GEMM, accumulated across chunks in fp32
-            self.weight.copy_(dz.t() @ rows)
-        else:
-            self.weight.add_(dz.t() @ rows)
+        _add_product_fp32(self.weight, dz.t(), rows, first, self.buf)
         if self.bias is not None:
             db = dz.sum(0, dtype=torch.float32)
             if first:
                 self.bias.copy_(db)
             else:
                 self.bias.add_(db)
+        self.hidden.index_copy_(0, idx, dz.to(rows.dtype) @ weight)
 
-    def result(self, weight: Tensor, bias):
+    def result(self, bias):
+        """(dX in hidden's dtype, dW fp32, db in the bias' dtype or None)."""
         if not self.started:  # every row masked: the gradients are zero
             self.weight.zero_()
             if self.bias is not None:
                 self.bias.zero_()
         db = None if self.bias is None else self.bias.to(bias.dtype)
-        return self.hidden, self.weight.to(weight.dtype), db
+        return self.hidden, self.weight, db
 
 
 def _bias_or_empty(bias, weight):
@@ -213,13 +249,14 @@ def local_stats(hidden, weight, bias, y, active, temperature, logit_scale, softc
 
 def local_grads(hidden, weight, bias, y, active, logp, lse, entropy, g, h, temperature,
                 logit_scale, softcap, chunk):  # fmt: skip
-    """(dX (N, H), dW, db or None) from g = dL/dlogp and h = dL/dH (fp32 (N,), h may be None)
-    and the rows' logp, lse and H (N,): per chunk of `active` the logits again, SPEC 6's dz in
-    place, then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry at y (its row's
-    dz is -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not own it).
+    """(dX (N, H), dW (V, H) fp32, db or None) from g = dL/dlogp and h = dL/dH (fp32 (N,), h
+    may be None) and the rows' logp, lse and H (N,): per chunk of `active` the logits again,
+    SPEC 6's dz in place, then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry
+    at y (its row's dz is -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not
+    own it).
     temperature: a float, or a tensor of per-row tau (N elements)."""
-    grads = _Grads(y.numel(), active.numel(), weight, bias, hidden.dtype)
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
+    grads = _Grads(y.numel(), active.numel(), weight, bias, hidden.dtype, buf)
     for idx in _chunks(active, chunk):
         rows = _gather(hidden, idx)
         z = _logits(rows, weight, bias, logit_scale, softcap, buf)
@@ -229,7 +266,7 @@ def local_grads(hidden, weight, bias, y, active, logp, lse, entropy, g, h, tempe
         row_grad_(z[None], pick(y), pick(logp), pick(lse), pick(entropy), pick(g), pick(h), tau)
         grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
         del z, factor
-    return grads.result(weight, bias)
+    return grads.result(bias)
 
 
 # --------------------------------------------------------------------------- linear_logprobs ops
@@ -284,9 +321,10 @@ def linear_token_stats_backward(
     chunk: int,
     temperature_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_hidden (N, H), grad_weight (V, H), grad_bias (V,) or (0,)) from g = dL/dlogp and
-    h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X.
-    temperature_rows: as in linear_token_stats."""
+    """(grad_hidden (N, H), grad_weight (V, H) fp32, grad_bias (V,) or (0,)) from g = dL/dlogp
+    and h = dL/dH (N,): per chunk the logits again, SPEC 6's dz, then dX = dz W, dW += dz^T X.
+    dW stays fp32 (the autograd formula casts it to the weight's dtype; fp32 master weights
+    cast to bf16 for the GEMMs keep the whole sum). temperature_rows: as in linear_token_stats."""
     active = _active_rows(mask, tokens.numel(), hidden.device)
     h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
     tau = temperature if temperature_rows is None else temperature_rows
@@ -302,7 +340,8 @@ def _(hidden, weight, bias, tokens, mask, logp, lse, entropy, grad_logp, grad_en
       temperature, logit_scale, softcap, chunk, temperature_rows=None):  # fmt: skip
     N, H = tokens.numel(), weight.shape[1]
     V = weight.shape[0] if bias is not None else 0
-    return hidden.new_empty(N, H), torch.empty_like(weight), weight.new_empty(V)
+    dw = torch.empty_like(weight, dtype=torch.float32)
+    return hidden.new_empty(N, H), dw, weight.new_empty(V)
 
 
 def _setup_context(ctx, inputs, output):
@@ -337,8 +376,8 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
             *ctx.args,
             tau_rows,
         )
-    return (dh.view(ctx.hidden_shape), dw, db if ctx.has_bias else None, None, None, None, None,
-            None, None, None, None)  # fmt: skip
+    return (dh.view(ctx.hidden_shape), dw.to(weight.dtype), db if ctx.has_bias else None, None,
+            None, None, None, None, None, None, None)  # fmt: skip
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -374,10 +413,11 @@ def _linear_policy_grad(hidden, weight, bias, *args):
             hidden, weight, bias, y, active, logp, lse, entropy, g.reshape(-1).float(),
             None if h is None else h.reshape(-1).float(), tau, logit_scale, softcap, chunk,
         )  # fmt: skip
-        return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
+        dw, db = dw.to(weight.dtype), _bias_or_empty(db, weight)
+        return logp.view(B, T), entropy.view(B, T), dh, dw, db
     logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in range(2))
-    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype)
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
+    grads = _Grads(N, active.numel(), weight, bias, hidden.dtype, buf)
     flat = ops.flat_inputs(x)
     with ops._autograd_enabled():  # we run inside a custom op: below autograd
         weights = aggregation_weights(x).reshape(1, N)
@@ -394,8 +434,8 @@ def _linear_policy_grad(hidden, weight, bias, *args):
         entropy.index_copy_(0, idx, ent[0])
         grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
         del z, factor
-    dh, dw, db = grads.result(weight, bias)
-    return logp.view(B, T), entropy.view(B, T), dh, dw, _bias_or_empty(db, weight)
+    dh, dw, db = grads.result(bias)
+    return logp.view(B, T), entropy.view(B, T), dh, dw.to(weight.dtype), _bias_or_empty(db, weight)
 
 
 @torch.library.register_fake("fastrl::linear_policy_grad")

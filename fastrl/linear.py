@@ -163,7 +163,8 @@ def linear_logprobs(
     constant: detached, no gradient). Returns fp32 logp shaped like tokens, or (logp, H) with
     `entropy=True`; both differentiable w.r.t. hidden, weight and bias (the exact entropy
     gradient of SPEC 6), through torch.library custom ops (torch.compile traces them).
-    Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V)` rows).
+    Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V, device)` rows:
+    ~64 MB of fp32 logits on the CPU, 4096 rows on a GPU).
 
     Vocab-parallel (`group`: a torch.distributed process group of P ranks, or a `weight` that is
     a DTensor sharded along dim 0 on a 1-D DeviceMesh): weight (V_r, H) and bias (V_r,) are this
@@ -197,8 +198,8 @@ def linear_logprobs(
     with autocast_off:
         logp, ent, _ = linear_token_stats(
             hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
-            None if softcap is None else float(softcap), chunk_size or default_chunk(V), tau_rows,
-            ops.SOURCE_KEY,
+            None if softcap is None else float(softcap),
+            chunk_size or default_chunk(V, hidden.device), tau_rows, ops.SOURCE_KEY,
         )  # fmt: skip
     logp, ent = logp.view(tokens.shape), ent.view(tokens.shape)
     return (logp, ent) if entropy else logp
@@ -312,7 +313,7 @@ def fused_linear_policy_loss(
     )  # fmt: skip
     args = ops.op_inputs(x)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
-    chunk = chunk_size or default_chunk(V)
+    chunk = chunk_size or default_chunk(V, hidden.device)
     params = [t for t in (hidden, weight, bias) if t is not None]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
     with autocast_off:

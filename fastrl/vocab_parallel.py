@@ -206,7 +206,7 @@ def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[ob
     k = order.index(me)
     return result, Plan(
         group, me, P, int(ends[k]) - widths[k], widths[k], V,
-        chunk_size or default_chunk(max(widths)), active, ends.to(device),
+        chunk_size or default_chunk(max(widths), device), active, ends.to(device),
         torch.tensor(order, dtype=torch.int64, device=device),
     )  # fmt: skip
 
@@ -260,6 +260,7 @@ def _grads(hidden, weight, bias, y, logp, lse, entropy, g, h, tau, scale, cap, p
     else:  # y - o_r outside [0, V_r) on the ranks that do not hold y: no entry at y there
         dh, dw, db = local_grads(hidden, weight, bias, y - plan.offset, plan.active, logp, lse,
                                  entropy, g, h, tau, scale, cap, plan.chunk)  # fmt: skip
+        dw = dw.to(weight.dtype)
     dist.all_reduce(dh, group=plan.group)
     return dh, dw, db
 
@@ -316,8 +317,8 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
         return logp.view(B, T), entropy.view(B, T), grads
     logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in "lh")
     n_written = plan.active.numel() if plan.width else -1  # an empty shard: dX zero-filled
-    grads = _Grads(N, n_written, weight, bias, hidden.dtype)
     buf = _Buffer(min(plan.chunk, max(plan.active.numel(), 1)), weight)
+    grads = _Grads(N, n_written, weight, bias, hidden.dtype, buf)
     flat = ops.flat_inputs(x)
     with ops._autograd_enabled():
         weights = aggregation_weights(x).reshape(1, N)
@@ -341,6 +342,6 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
             row_grad_(z[None], y_loc[None], lp[None], lse[None], ent[None], g, h, tau_rows)
             grads.add(idx, rows, _to_pre_activation(z, factor, scale), weight)
             del z, factor
-    dh, dw, db = grads.result(weight, bias)
+    dh, dw, db = grads.result(bias)
     dist.all_reduce(dh, group=plan.group)
-    return logp.view(B, T), entropy.view(B, T), (dh, dw, db)
+    return logp.view(B, T), entropy.view(B, T), (dh, dw.to(weight.dtype), db)

@@ -162,6 +162,44 @@ def test_bf16_scale_and_softcap_are_applied_in_fp32(engine, logit_scale, softcap
     assert_grads(grads, torch.autograd.grad(expected.loss, (hf, wf)), torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # the CPU's fp32 GEMM on a widened dz; CUDA's half-precision GEMM with an fp32 output
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["linear_logprobs", "fused_linear_policy_loss"])
+def test_half_precision_dw_does_not_depend_on_the_chunk(device, dtype, path):
+    """dW = sum over chunks of dz^T X: each chunk's product is formed in fp32 and added to the
+    fp32 sum, so one row per chunk (256 chunks) and one chunk of every row give the same dW
+    up to the last rounding to the weight's dtype. Rounding each chunk's product to bf16 / fp16
+    before adding it (the old path) left ~1600 of 16384 entries more than an ulp away."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 256, 32, 512
+    hidden = torch.randn(N, H, generator=g).to(device, dtype)
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(device, dtype)
+    tokens = torch.randint(0, V, (N,), generator=g).to(device)
+    adv = torch.randn(N, generator=g).to(device)
+
+    def dw(chunk_size):
+        w = weight.clone().requires_grad_()
+        if path == "linear_logprobs":
+            logp, ent = fastrl.linear_logprobs(
+                hidden, w, tokens, entropy=True, chunk_size=chunk_size
+            )
+            loss = (logp * adv).sum() + 0.1 * ent.sum()
+        else:
+            loss = fastrl.fused_linear_policy_loss(
+                hidden, w, tokens, adv, chunk_size=chunk_size
+            ).loss
+        (grad,) = torch.autograd.grad(loss, w)
+        assert grad.dtype == dtype
+        return grad.float()
+
+    one_by_one, all_at_once = dw(1), dw(N)
+    ulp = torch.finfo(dtype).eps  # relative spacing: one rounding of nearly the same fp32 sum
+    scale = all_at_once.abs().max()
+    torch.testing.assert_close(one_by_one, all_at_once, rtol=ulp, atol=1e-6 * scale)
+
+
 def test_flat_inputs_and_strided_view():
     hidden, weight, b, tokens, adv, old, ref, mask = make(B=1, T=9)
     flat = (hidden[0], weight, b, tokens[0], torch.randn(9), old[0], ref[0], mask[0])
@@ -252,6 +290,29 @@ def test_bad_inputs():
         kwargs = {**dict(hidden=hidden, weight=weight, tokens=tokens, advantages=adv), **change}
         with pytest.raises(ValueError, match=match):
             fastrl.fused_linear_policy_loss(**kwargs)
+
+
+def test_default_chunk_by_device(monkeypatch):
+    """The default rows per chunk: ~64 MB of fp32 logits on the CPU; on a GPU 4096 rows (every
+    chunk re-reads the weight and the fp32 dW sum), fewer where a chunk's half-precision logits
+    pass 2 GiB. Both LM-head ops ask for the default of their hidden states' device."""
+    from fastrl import chunked
+
+    assert (
+        L.default_chunk(151936) == L.default_chunk(151936, "cpu") == 2 * chunked.chunk_rows(151936)
+    )
+    assert L.default_chunk(151936) < 128
+    assert (
+        L.default_chunk(151936, "cuda") == L.default_chunk(262144, torch.device("cuda:0")) == 4096
+    )
+    assert L.default_chunk(2**20, "cuda") == 1024
+    asked = []
+    real = fastrl.linear.default_chunk
+    monkeypatch.setattr(fastrl.linear, "default_chunk", lambda V, d: asked.append(d) or real(V, d))
+    hidden, weight, b, tokens, adv, old, ref, mask = make()
+    fastrl.linear_logprobs(hidden, weight, tokens)
+    fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask)
+    assert [torch.device(d).type for d in asked] == ["cpu", "cpu"]
 
 
 def test_numpy_chunk_size_is_an_int():

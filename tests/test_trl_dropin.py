@@ -355,7 +355,9 @@ def test_head_saves_no_weight_copy_and_matches_trl(setting):
     )
     assert grad_f.dtype == grad_t.dtype == model.lm_head.weight.dtype
     mask = labels[:, 1:] != -100
-    tol = dict(rtol=1e-4, atol=1e-4) if cast else dict(rtol=2e-2, atol=2e-2)
+    # dW whole in fp32 (the fp32 master weights' too, as TRL's): it was rounded to bf16 by the op
+    # before the cast back (2.9e-3 of the largest entry away from TRL's; now 1.5e-7)
+    tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out_f.log_probs[mask], out_t.log_probs[mask], **tol)
     torch.testing.assert_close(out_f.entropy[mask], out_t.entropy[mask], **tol)
     scale = grad_t.float().abs().max()

@@ -177,13 +177,14 @@ class _CastHeadLogprobs(torch.autograd.Function):
     cast_lm_head_to_fp32): the casts are made in the forward and again in the backward, so the
     graph keeps the tensors it was given (the head's parameters, held anyway) and no (V, H) copy
     between forward and backward, as TRL's ChunkedLogProbFunction (which casts per chunk).
-    dW is accumulated in fp32 and rounded to `dtype` by the op, then cast to weight's dtype."""
+    dW comes from the op in fp32 (each chunk's product formed in fp32, as TRL's) and is cast
+    once, to the weight's dtype: fp32 master weights get the sum unrounded."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale, softcap):
         h, w = hidden.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        chunk = default_chunk(w.shape[0])
+        chunk = default_chunk(w.shape[0], w.device)
         logp, ent, lse = linear_token_stats(
             h, w, b, tokens, mask, temperature, logit_scale, softcap, chunk, None, ops.SOURCE_KEY
         )
