@@ -26,16 +26,18 @@ _ESTIMATORS = ("grpo", "rloo", "reinforce++")
 
 
 # --------------------------------------------------------------------------- validation
-def _check_finite(name: str, x: Tensor, counted: Tensor | None = None) -> None:
-    """Raise if x has a NaN (at an entry where `counted` is True, when given)."""
+def _check_finite(name: str, x: Tensor, counted: Tensor | None = None, inf: bool = True) -> None:
+    """Raise if x has a NaN, or with `inf=False` a NaN or an infinity (at an entry where
+    `counted` is True, when given)."""
     if x.device.type == "meta":
         return
-    nan = torch.isnan(x)
+    bad = torch.isnan(x) if inf else ~torch.isfinite(x)
     if counted is not None:
-        nan = nan & counted
-    if nan.any():
+        bad = bad & counted
+    if bad.any():
         where = " at a counted token" if counted is not None else ""
-        raise ValueError(f"{name} (shape {tuple(x.shape)}) contains NaN{where}")
+        what = "NaN" if inf else "NaN or inf"
+        raise ValueError(f"{name} (shape {tuple(x.shape)}) contains {what}{where}")
 
 
 # --------------------------------------------------------------------------- whitening

@@ -366,8 +366,8 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
     y_safe = torch.where(y_ok, y, 0)
     p_y = torch.exp(logp)
     d_y = g * (1 - p_y)
-    if h is not None:
-        d_y = d_y - h * p_y * (logp + entropy)
+    if h is not None:  # p_y (log p_y + H) -> 0 as p_y -> 0: 0, not 0 * -inf = NaN, at a -inf logit
+        d_y = d_y - h * torch.where(p_y > 0, p_y * (logp + entropy), 0.0)
     d_y = d_y * inv_temp
     # rows with g = h = 0 (uncounted tokens) have a zero gradient, even when their logits hold a
     # NaN / inf (e = NaN there, and 0 * NaN = NaN); found with one host sync on the CPU, masked
@@ -382,9 +382,10 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
         eb = e[a:b]
         if k1 is None:
             eb.mul_(k0[a:b, None])
-        else:
-            t = torch.log(eb, out=work.u(b - a)).clamp_(min=-1e4)  # e = 0 -> p log p = 0
-            eb.mul_(t.mul_(k1[a:b, None]).add_(k0[a:b, None]))
+        else:  # e k0 + (e log e) k1: e log e lies in [-1/e, 0] (0 at e = 0, log e clamped), so
+            # nothing overflows where e = 0 even when k1 ~ h / tau does (tau -> 0): no 0 * inf
+            t = torch.log(eb, out=work.u(b - a)).clamp_(min=-1e4).mul_(eb)
+            eb.mul_(k0[a:b, None]).addcmul_(t, k1[a:b, None])
         at = (torch.arange(b - a, device=e.device), y_safe[a:b])
         # an out-of-range token (its logp is NaN) has no entry at y: its row stays p (a log p + c)
         eb[at] = torch.where(y_ok[a:b], d_y[a:b], eb[at])

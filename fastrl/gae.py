@@ -185,9 +185,12 @@ def gae(
     returns = A + V (before whitening) and, when `whiten`, A whitened over counted tokens.
     What the mask excludes never reaches a counted token's result nor the whitening: a NaN / inf
     reward or value at a token with m = 0 only shows in `returns` at that same token (G_t = A_t
-    + V_t there). `check=True` raises on NaN rewards / values at counted tokens (a device sync on
-    CUDA). Advantages and returns are constants to the losses that use them: the inputs are
-    detached (no gradient flows)."""
+    + V_t there). `check=True` raises on NaN or ±inf rewards / values at counted tokens (a device
+    sync on CUDA): an infinite one makes every earlier advantage infinite and any whitening NaN;
+    with `check=False` the CPU's blocked scan also gives NaN (inf - inf) at the later tokens of
+    its row, where the Triton scan and SPEC 7's loop give their finite values. Advantages and
+    returns are constants to the losses that use them: the inputs are detached (no gradient
+    flows)."""
     expected = "shape (B, T)"
     check_float("rewards", rewards, expected)
     check_float("values", values, expected)
@@ -206,8 +209,8 @@ def gae(
     )  # Python floats, numpy's scalars included
     if check:
         counted = mask if mask.dtype == torch.bool else mask != 0
-        _check_finite("rewards", rewards, counted)
-        _check_finite("values", values, counted)
+        _check_finite("rewards", rewards, counted, inf=False)
+        _check_finite("values", values, counted, inf=False)
     if rewards.numel() == 0:
         adv = torch.zeros(rewards.shape, dtype=torch.float32, device=rewards.device)
         return adv, adv + values.float()

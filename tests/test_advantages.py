@@ -470,6 +470,25 @@ def test_gae_masked_nonfinite_never_reaches_counted_tokens(engine, bad):
         fastrl.gae(bad_counted, values, mask)
 
 
+@pytest.mark.parametrize("name", ["rewards", "values"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf])
+def test_gae_refuses_infinity_at_a_counted_token(name, bad):
+    """An infinite reward or value at a counted token makes every earlier advantage infinite and
+    any whitening NaN; on the CPU the blocked scan also gave NaN at the later tokens of its row
+    (inf - inf), where the math has finite values. check=True names it; check=False runs."""
+    rewards, values, mask = _inputs(2, 40, 1.0, seed=1)
+    x = {"rewards": rewards, "values": values}
+    x[name][0, 10] = bad
+    with pytest.raises(
+        ValueError, match=f"{name} \\(shape \\(2, 40\\)\\) contains NaN or inf at a"
+    ):
+        fastrl.gae(x["rewards"], x["values"], mask, whiten=False)
+    mask[0, 10] = False  # the same value where the mask excludes it: no error, nothing reached
+    adv, _ = fastrl.gae(x["rewards"], x["values"], mask, whiten=False)
+    assert torch.isfinite(adv).all()
+    fastrl.gae(x["rewards"], x["values"], mask | True, whiten=False, check=False)
+
+
 def test_gae_fractional_mask_masked_nan():
     rewards, values, _ = _inputs(2, 12, 1.0)
     mask = torch.rand(2, 12)

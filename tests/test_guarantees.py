@@ -93,6 +93,80 @@ def test_entropy_at_large_offsets_and_low_temperature(engine, z, tau):
     torch.testing.assert_close(out.entropy.cpu()[0], want, rtol=1e-4, atol=2e-5)
 
 
+def _f64_grad(z: torch.Tensor, loss_fn) -> torch.Tensor:
+    z64 = z.detach().double().requires_grad_()
+    loss_fn(z64).backward()
+    return z64.grad
+
+
+def _f64_entropy_bonus(z64, tokens, tau, coef):
+    """-(log p_y) - coef H, meaned, in float64: -inf logits have p = 0 and p log p = 0."""
+    ls = torch.log_softmax(z64 / tau, -1)
+    lss = torch.where(torch.isfinite(ls), ls, torch.zeros_like(ls))
+    entropy = -(lss.exp() * lss).sum(-1)
+    return (-ls.gather(-1, tokens[..., None])[..., 0] - coef * entropy).mean()
+
+
+def test_sampled_token_at_minus_inf_has_a_finite_gradient(engine):
+    """A vocabulary-masked logit (-inf: constrained decoding, a masked bias) at the sampled token:
+    p_y (log p_y + H) -> 0, so the entry at y is finite (float64's value), and a row the mask
+    excludes or the loss weights 0 gets no gradient at all. It was NaN (0 * -inf) on the CPU
+    path, a NaN in the gradient beside a finite loss, in the LM-head path a whole NaN row of dX
+    and of dW."""
+    device, _ = engine
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 2, 8, generator=g).to(device)
+    z[0, 0, 3] = float("-inf")
+    tokens = torch.tensor([[3, 1]], device=device)
+    # a row outside the loss: logprobs of row 1 only
+    x = z.clone().requires_grad_()
+    fastrl.logprobs(x, tokens)[0, 1].backward()
+    assert torch.all(x.grad[0, 0] == 0) and torch.isfinite(x.grad).all()
+    # a masked row, and a counted one, with the entropy term (reinforce: no ratio clamp)
+    for mask in ([0.0, 1.0], [1.0, 1.0]):
+        x = z.clone().requires_grad_()
+        m = torch.tensor([mask], device=device)
+        out = fastrl.policy_loss(x * 1.0, tokens, torch.ones(1, device=device), mask=m,
+                                 policy="reinforce", entropy_coef=0.1)  # fmt: skip
+        out.loss.backward()
+        keep = torch.tensor(mask, dtype=torch.bool)
+        kept = tokens.cpu()[:, keep]
+        want = _f64_grad(z.cpu()[:, keep], lambda w, y=kept: _f64_entropy_bonus(w, y, 1.0, 0.1))
+        assert torch.isfinite(x.grad).all(), mask
+        assert torch.all(x.grad[:, ~keep.to(device)] == 0)
+        got = x.grad[:, keep.to(device)].cpu().double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the LM head, the vocabulary masked through its bias; row 0 (token 0) weighs 0 in the loss
+    h = torch.randn(3, 4, generator=g).to(device).requires_grad_()
+    w = torch.randn(6, 4, generator=g).to(device).requires_grad_()
+    bias = torch.zeros(6, device=device)
+    bias[0] = float("-inf")
+    logp = fastrl.linear_logprobs(h, w, torch.tensor([0, 2, 3], device=device), bias=bias)
+    (logp * torch.tensor([0.0, 1.0, 1.0], device=device)).sum().backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    assert torch.all(h.grad[0] == 0)
+
+
+def test_tiny_temperature_with_entropy_has_a_finite_gradient(engine):
+    """tau = 1e-37 is accepted (finite, > 0): the entropy term's slope h / tau ~ 1e36 times
+    log p_j at p_j = 0 overflowed on the CPU path, and 0 * inf made NaN entries where float64
+    has exactly 0. Loss and gradient equal float64's (to fp32 rounding of z / tau)."""
+    device, _ = engine
+    z = 2 * torch.randn(1, 2, 11, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[3, 4]])
+    for tau in (1e-30, 1e-37):
+        x = z.to(device).requires_grad_()
+        out = fastrl.policy_loss(x * 1.0, tokens.to(device), torch.ones(1, device=device),
+                                 policy="reinforce", entropy_coef=0.1, temperature=tau)  # fmt: skip
+        out.loss.backward()
+        want = _f64_grad(z, lambda w, tau=tau: _f64_entropy_bonus(w, tokens, tau, 0.1))
+        assert torch.isfinite(x.grad).all(), tau
+        scale = want.abs().max()
+        torch.testing.assert_close(
+            x.grad.cpu().double() / scale, want / scale, rtol=1e-4, atol=1e-5
+        )
+
+
 # ---------------------------------------------------------------------- 3. inplace misuse
 def test_inplace_refuses_storage_it_must_not_overwrite():
     b = batch()
