@@ -5,6 +5,7 @@
                                                        # V = 32000; fp32 and bf16
     python benchmarks/bench_fused_linear.py --quick    # tiny smoke run (seconds)
     python benchmarks/bench_fused_linear.py --N 4096 --H 2048 --V 151936 --dtype bf16
+    python benchmarks/bench_fused_linear.py --chunk-sizes 256 1024 4096   # + a chunk-size sweep
 
 Workload: hidden (B, T, H) with T = --T (256) tokens per sequence, N = B * T; weight (V, H) /
 sqrt(H); hidden, weight and every GEMM in the row's dtype; the GRPO loss of
@@ -34,13 +35,18 @@ Rows (methods):
                         on its torch path; skipped with a note when it cannot be imported
   <fastrl row> (90% masked)   the two fastrl rows with only the first 10 % of every sequence's
                         positions valid (prompt / padding positions cost no GEMM work there)
+  <fastrl row>[chunk=C] only with --chunk-sizes C ...: linear_logprobs+grpo and
+                        fastrl-fused-linear again with chunk_size=C rows per chunk (the rows
+                        above use the library's default, chunk_size=None), one row per C, after
+                        the others: the sweep that picks a device's chunk size
 
 Reported per row: total_ms (forward + backward, median, q20, q80); TFLOP/s = 6 N H V / total
 time (nominal: the forward GEMM and the two gradient GEMMs, charged the same for every row,
 masked rows included); x_gemm_floor = total / the gemm-floor row of the same shape and dtype;
 peak_MB (CPU: resident-set high-water mark in a child process per shape and dtype; CUDA:
 max_memory_allocated; see benchmarks/_common.py); memory_vs_matmul_trl_eager; for the masked
-rows vs_unmasked = total / the same method's unmasked total.
+rows vs_unmasked = total / the same method's unmasked total; chunk_size = C for the [chunk=C]
+rows (None for the others) and vs_default_chunk = total / the same method's default-chunk total.
 Repetitions (CPU): 1 warm-up (after the memory child's and the loss-value call) and 7 timed
 calls; rows whose warm-up call takes more than --slow-ms (2500 ms) get --slow-rep (5) timed
 calls. On CUDA --warmup / --rep are milliseconds for do_bench.
@@ -49,6 +55,7 @@ Results: <out>/bench_fused_linear_<device>.{json,csv,png}; `python benchmarks/re
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import sys
@@ -76,6 +83,7 @@ import fastrl  # noqa: E402
 FLOOR = "gemm-floor"
 MEM_BASELINE = "matmul+trl-eager"
 MASKED = " (90% masked)"
+CHUNKED = ("linear_logprobs+grpo", "fastrl-fused-linear")  # the rows --chunk-sizes repeats
 METHODS = (
     "linear_logprobs+grpo",
     "fastrl-fused-linear",
@@ -90,6 +98,24 @@ CPU_SHAPES = [(2048, 512), (2048, 1024), (4096, 512), (4096, 1024)]  # (N, H)
 CUDA_SHAPES = [(16384, 4096)]
 QUICK_SHAPES = [(64, 32)]
 DEFAULT_N, DEFAULT_H = 2048, 512
+
+
+def chunk_label(method: str, chunk: int) -> str:
+    """The row of `method` run with chunk_size=`chunk`: "fastrl-fused-linear[chunk=1024]"."""
+    return f"{method}[chunk={chunk}]"
+
+
+def library_chunk(V: int, device) -> int | None:
+    """The rows per chunk that chunk_size=None gives at V on `device` (fastrl.linear's
+    default_chunk), for the results' meta; None where fastrl does not say."""
+    try:
+        from fastrl.linear import default_chunk
+    except ImportError:  # pragma: no cover - depends on the library's layout
+        return None
+    try:
+        return int(default_chunk(V, device))
+    except TypeError:  # a default_chunk(V) without a device: the same on every device
+        return int(default_chunk(V))
 
 
 def make_inputs(N, H, V, T, dtype, device, seed=0):
@@ -135,16 +161,20 @@ def build_methods(hidden, weight, li, full, masked, args, notes):
 
         return step
 
-    def lp_grpo(mask):
+    def lp_grpo(mask, chunk=None):
         def f(h, w):
-            logp, _entropy = fastrl.linear_logprobs(h, w, tok, entropy=True, mask=mask)
+            logp, _entropy = fastrl.linear_logprobs(
+                h, w, tok, entropy=True, mask=mask, chunk_size=chunk
+            )
             return trl_grpo_math(logp, old, ref, adv, mask)
 
         return f
 
-    def fused(mask):
+    def fused(mask, chunk=None):
         return lambda h, w: (
-            fastrl.fused_linear_policy_loss(h, w, tok, adv, old, ref, mask, config=cfg).loss
+            fastrl.fused_linear_policy_loss(
+                h, w, tok, adv, old, ref, mask, config=cfg, chunk_size=chunk
+            ).loss
         )
 
     methods = {}
@@ -208,6 +238,11 @@ def build_methods(hidden, weight, li, full, masked, args, notes):
             methods["linear_logprobs+grpo" + MASKED] = loss_step(lp_grpo(masked))
         if "fastrl-fused-linear" in wanted:
             methods["fastrl-fused-linear" + MASKED] = loss_step(fused(masked))
+    # the chunk-size sweep last: every row above is timed (and printed) before it
+    for name, make in zip(CHUNKED, (lp_grpo, fused)):
+        for chunk in getattr(args, "chunk_sizes", None) or ():
+            if name in wanted:
+                methods[chunk_label(name, chunk)] = loss_step(make(full, chunk))
     return methods
 
 
@@ -229,8 +264,9 @@ def measure_memory(step, hidden, weight, device):
     return common.peak_memory(once, device)
 
 
-def run(name, step, hidden, weight, case, args, device, mem):
-    """One row: time, TFLOP/s and memory of `name` on `case`."""
+def run(name, step, hidden, weight, case, args, device, mem, chunk=None):
+    """One row: time, TFLOP/s and memory of `name` on `case` (`chunk`: its chunk_size, None for
+    the library default)."""
     N, H, V, dtype = case
     h, w = leaves(hidden, weight)
     if mem is None:
@@ -266,6 +302,7 @@ def run(name, step, hidden, weight, case, args, device, mem):
         "T": hidden.shape[1],
         "dtype": dtype,
         "masked_frac": 0.9 if name.endswith(MASKED) else 0.0,
+        "chunk_size": chunk,
         "warmup": warmup + 1,
         "rep": rep,
         "total_ms": t["median"],
@@ -277,6 +314,17 @@ def run(name, step, hidden, weight, case, args, device, mem):
         "loss": loss_value,
     }
     return row, mem["method"]
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (argparse type of --chunk-sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def build_parser():
@@ -323,6 +371,19 @@ def build_parser():
         "fastrl rows on the 90%%-masked batch, needs those rows)",
     )
     p.add_argument("--no-liger", action="store_true", help="skip the liger-fused-linear row")
+    p.add_argument(
+        "--chunk-sizes",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        metavar="C",
+        help="rows per chunk to sweep (e.g. --chunk-sizes 256 1024 4096): for each C one more "
+        "row of linear_logprobs+grpo and of fastrl-fused-linear (those of them --methods "
+        "keeps), labelled <method>[chunk=C], run with chunk_size=C, timed and measured like the "
+        "others, after them, in the same results files (chunk_size and vs_default_chunk = "
+        "total / the default-chunk row's total in each row). Default: none, only the library's "
+        "default chunk_size (fastrl.linear.default_chunk; the meta's cases record its rows)",
+    )
     common.add_run_args(
         p,
         "bench_fused_linear",
@@ -381,9 +442,12 @@ def main(argv=None):
         hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, dt, device)
         methods = build_methods(hidden, weight, li, full, masked, args, notes)
         case_rows = []
+        chunks = {chunk_label(m, c): c for c in args.chunk_sizes or () for m in CHUNKED}
         for name, step in methods.items():
             bar.set_postfix_str(f"{label}: {name}")
-            row, mem_method = run(name, step, hidden, weight, case, args, device, mems.get(name))
+            row, mem_method = run(
+                name, step, hidden, weight, case, args, device, mems.get(name), chunks.get(name)
+            )
             case_rows.append(row)
             bar.update()
             bar.write(
@@ -401,6 +465,12 @@ def main(argv=None):
             )
             unmasked = by_name.get(r["method"][: -len(MASKED)]) if r["masked_frac"] else None
             r["vs_unmasked"] = r["total_ms"] / unmasked["total_ms"] if unmasked else None
+            default = (
+                by_name.get(r["method"].removesuffix(f"[chunk={r['chunk_size']}]"))
+                if r["chunk_size"]
+                else None
+            )
+            r["vs_default_chunk"] = r["total_ms"] / default["total_ms"] if default else None
         rows += case_rows
         del hidden, weight, li, methods
         gc.collect()
@@ -413,11 +483,25 @@ def main(argv=None):
         "benchmark": "GRPO loss from hidden states and the LM-head weight, fwd+bwd (grads of "
         "hidden and weight); LossConfig.grpo() (clip 0.2/0.2, k3 KL beta 0.04, "
         "seq-mean-token-mean)",
-        "cases": [{"N": n, "H": h, "V": v, "dtype": d, "T": args.T} for n, h, v, d in cases],
+        "cases": [
+            {
+                "N": n,
+                "H": h,
+                "V": v,
+                "dtype": d,
+                "T": args.T,
+                "default_chunk": library_chunk(v, device),
+            }
+            for n, h, v, d in cases
+        ],
         "floor": f"{FLOOR}: h @ W.T, g @ W, g.T @ h with preallocated outputs; x_gemm_floor of "
         "every row is against it (same shape and dtype)",
         "memory_baseline": f"{MEM_BASELINE}: logits materialised + TRL-style eager loss",
         "masked_rows": "first 10 % of every sequence's positions valid, 90 % masked",
+        "chunk_sizes": args.chunk_sizes,
+        "chunk_rows": "<method>[chunk=C]: chunk_size=C; every other row chunk_size=None (the "
+        "library's default: each case's default_chunk rows); vs_default_chunk = total / the "
+        "default row's total",
         "timing": "triton.testing.do_bench (ms)"
         if cuda
         else f"perf_counter, warmup {args.warmup} (the loss-value call), rep {args.rep}; rows "

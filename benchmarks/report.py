@@ -167,6 +167,8 @@ def _fused_linear(data: dict) -> list[str]:
     columns += ["peak MB", "memory vs matmul+trl-eager"]
     cells = []
     for r in rows:
+        if r.get("chunk_size"):  # the chunk-size sweep: its own table below
+            continue
         method = r["method"]
         if r.get("vs_unmasked") is not None:
             method += f", {_x(r['vs_unmasked'])} unmasked"
@@ -183,7 +185,62 @@ def _fused_linear(data: dict) -> list[str]:
                 "" if floor else _x(r.get("memory_vs_matmul_trl_eager")),
             ]
         )
-    return _table(intro, columns, cells, meta.get("notes"))
+    return _table(intro, columns, cells, meta.get("notes")) + _chunk_sweep(rows, meta)
+
+
+def _chunk_sweep(rows: list[dict], meta: dict | None = None) -> list[str]:
+    """The rows of bench_fused_linear --chunk-sizes (chunk_size set), each (case, method) with
+    its default-chunk row first (its rows per chunk from meta's cases where they say) and the
+    fastest of them marked; [] when the file has none."""
+    swept = [r for r in rows if r.get("chunk_size")]
+    if not swept:
+        return []
+    groups: dict[tuple, list[dict]] = {}
+    for r in swept:
+        base = r["method"].removesuffix(f"[chunk={r['chunk_size']}]")
+        groups.setdefault((r["N"], r["H"], r["V"], r["dtype"], base), []).append(r)
+    intro = (
+        "**Chunk-size sweep** (`--chunk-sizes`): the same rows with `chunk_size` = C rows per "
+        "chunk, against the library's default (`chunk_size=None`); the fastest of each method "
+        "and case is marked."
+    )
+    columns = ["method", "N, H, V", "dtype", "rows per chunk", "median ms (q20-q80)"]
+    columns += ["vs default", "x GEMM floor", "TFLOP/s", "peak MB", "fastest"]
+    defaults = {
+        (c["N"], c["H"], c["V"], c["dtype"]): c.get("default_chunk")
+        for c in (meta or {}).get("cases", [])
+    }
+    cells = []
+    for (N, H, V, dtype, base), group in groups.items():
+        lib = defaults.get((N, H, V, dtype))
+        default = next(
+            (
+                r
+                for r in rows
+                if r["method"] == base and (r["N"], r["H"], r["V"], r["dtype"]) == (N, H, V, dtype)
+            ),
+            None,
+        )
+        group = sorted(group, key=lambda r: r["chunk_size"])
+        group = ([default] if default else []) + group
+        best = min(group, key=lambda r: r["total_ms"])
+        for r in group:
+            chunk = r.get("chunk_size")
+            cells.append(
+                [
+                    base,
+                    f"{N}, {H}, {V}",
+                    dtype,
+                    chunk or ("default" if lib is None else f"default ({lib})"),
+                    _ms(r),
+                    _x(r.get("vs_default_chunk")) if chunk else "1.00x",
+                    _x(r.get("x_gemm_floor")),
+                    _fmt(r.get("TFLOPs"), 3),
+                    _fmt(r.get("peak_MB"), 0),
+                    "**fastest**" if r is best else "",
+                ]
+            )
+    return ["", *_table(intro, columns, cells)]
 
 
 def _policy_loss_legacy(data: dict) -> list[str]:

@@ -24,7 +24,10 @@ that pytest-gpu cut short still writes the counts it has); its stdout + stderr g
                   (FASTRL_ROWS_IN_FLIGHT = auto, 0, 66, 132, 264) and the two-kernel path, CUDA
                   N = 16384 at V = 151936 and N = 8192 at V = 262144, bf16 (--quick: the CPU
                   smoke run, which only checks the plumbing)
-  fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16
+  fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16, plus the
+                  chunk-size sweep (--chunk-sizes 256 1024 2048 4096 8192, CUDA only: the
+                  library's default chunk is sized for the CPU; ten more rows, well under a
+                  minute on an H100 by estimate, within the stage's timeout)
   packed          bench_packed.py: packed (cu_seqlens) vs padded batches at ~50 % padding, its
                   defaults (CUDA S = 64, T = 2048, V = 151936, bf16; rows that do not fit are
                   kept as out of memory); --quick: its --quick mode in fp32
@@ -113,7 +116,7 @@ TIMEOUTS = {
     "compile-check": (600, 600),
     "policy-loss": (480, 240),
     "rows-in-flight": (360, 240),
-    "fused-linear": (360, 240),
+    "fused-linear": (420, 240),  # CUDA: + 60 s for the chunk-size sweep
     "packed": (600, 180),
     "vocab-parallel": (600, 180),
     "gae": (180, 120),
@@ -122,6 +125,13 @@ TIMEOUTS = {
     "profile": (240, 180),
     "readme": (120, 120),
 }
+
+
+# rows per chunk the fused-linear stage sweeps on CUDA (bench_fused_linear.py --chunk-sizes), for
+# linear_logprobs+grpo and fastrl-fused-linear at N = 8192: from a few weight re-reads per 1000
+# rows up to the whole batch in one chunk. A size equal to the library's default stays in: the
+# sweep then reads the same whatever that default is (the results' meta records it per case)
+CUDA_CHUNK_SIZES = (256, 1024, 2048, 4096, 8192)
 
 
 @dataclass
@@ -226,13 +236,14 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             ["--rep", "100", "--warmup", "25"],
         )
     )
+    sweep = ["--chunk-sizes", *map(str, CUDA_CHUNK_SIZES)]
     stages.append(
         bench(
             "fused-linear",
             "bench_fused_linear.py",
             no_trl and f"its baselines (TRL's loss and chunked head) need trl ({no_trl})",
             fp32,
-            ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16", *do_bench],
+            ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16", *do_bench, *sweep],
             no_liger,
         )
     )
@@ -415,7 +426,8 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
     path = out / f"bench_fused_linear_{dev}.json"
     data = load_json(path)
     for r in (data or {}).get("rows", []):
-        if r["method"] in ("fastrl-fused-linear", "linear_logprobs+grpo", "liger-fused-linear"):
+        method = r["method"].removesuffix(f"[chunk={r.get('chunk_size')}]")  # the sweep's too
+        if method in ("fastrl-fused-linear", "linear_logprobs+grpo", "liger-fused-linear"):
             case = f"N={r['N']} H={r['H']} V={r['V']} {r['dtype']}"
             add("fused-linear", case, f"{r['method']} x GEMM floor", r.get("x_gemm_floor"), "n/a",
                 path.name)  # fmt: skip

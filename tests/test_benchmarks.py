@@ -20,6 +20,7 @@ BENCH = ROOT / "benchmarks"
 
 
 _run = run_bench
+SWEEP = ["--chunk-sizes", "8", "16"]  # the quick fused-linear run's chunk-size sweep
 
 
 def _load(path: Path) -> dict:
@@ -33,11 +34,13 @@ def _report():
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
     """Both benchmarks' --quick runs (fp32; no torch.compile / Liger rows: those compile for
-    tens of seconds, see the slow test) into one folder."""
+    tens of seconds, see the slow test) into one folder; the fused-linear one with a chunk-size
+    sweep (8 and 16 rows per chunk; the default at V = 512 is one chunk of all 64 rows)."""
     out = tmp_path_factory.mktemp("bench")
     common = ["--quick", "--dtype", "fp32", "--no-progress", "--out", str(out)]
     _run("bench_policy_loss.py", *common, "--no-compile", trace=out / "bench_policy_loss.trace")
-    _run("bench_fused_linear.py", *common, "--no-liger", trace=out / "bench_fused_linear.trace")
+    _run("bench_fused_linear.py", *common, "--no-liger", *SWEEP,
+         trace=out / "bench_fused_linear.trace")  # fmt: skip
     return out
 
 
@@ -81,9 +84,10 @@ def test_busy_runs_get_their_own_results_file(tmp_path, script):
 
 
 def test_help_explains_the_options():
+    fused = ["--quick", "--shapes", "--dtype", "--slow-ms", "gemm-floor", "--chunk-sizes"]
     for script, options in [
         ("bench_policy_loss.py", ["--quick", "--shapes", "--dtype", "--slow-rep", "trl-eager"]),
-        ("bench_fused_linear.py", ["--quick", "--shapes", "--dtype", "--slow-ms", "gemm-floor"]),
+        ("bench_fused_linear.py", [*fused, "[chunk=C]"]),
     ]:
         text = _run(script, "--help").stdout
         for opt in options:
@@ -140,6 +144,113 @@ def test_fused_linear_quick_rows(quick_results):
         else:
             assert math.isclose(r["loss"], ref, rel_tol=1e-4, abs_tol=1e-5), name
     assert (quick_results / "bench_fused_linear_cpu.png").stat().st_size > 0
+
+
+def test_fused_linear_chunk_sweep_rows(quick_results):
+    """--chunk-sizes 8 16: one more row per size of each fastrl LM-head method, timed and
+    measured like the others, computing the default row's loss, with its chunk size and its time
+    against the default row; the report puts them in their own table, the fastest marked."""
+    data = _load(quick_results / "bench_fused_linear_cpu.json")
+    assert data["meta"]["chunk_sizes"] == [8, 16]
+    (case,) = data["meta"]["cases"]
+    default = case["default_chunk"]  # the rows chunk_size=None gives (fastrl.linear)
+    assert isinstance(default, int) and default >= 64, f"no longer one chunk: {default}"
+    rows = {r["method"]: r for r in data["rows"]}
+    swept = [r for r in data["rows"] if r["chunk_size"] is not None]
+    expect = [f"{m}[chunk={c}]" for m in ("linear_logprobs+grpo", "fastrl-fused-linear")
+              for c in (8, 16)]  # fmt: skip
+    assert [r["method"] for r in swept] == expect  # after every other row, by method
+    assert [r["method"] for r in data["rows"][-4:]] == expect
+    for r in swept:
+        base = rows[r["method"].split("[")[0]]
+        assert base["chunk_size"] is None and base["vs_default_chunk"] is None
+        assert r["chunk_size"] == int(r["method"][:-1].split("=")[1])
+        assert r["role"] == "fastrl" and r["masked_frac"] == 0.0 and r["vs_unmasked"] is None
+        for key in ("total_ms", "total_ms_q20", "total_ms_q80", "TFLOPs", "x_gemm_floor"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["method"], key)
+        assert r["total_ms_q20"] <= r["total_ms"] <= r["total_ms_q80"]
+        assert r["peak_MB"] >= 0 and r["rep"] >= 1
+        assert r["vs_default_chunk"] == pytest.approx(r["total_ms"] / base["total_ms"])
+        assert math.isclose(r["loss"], base["loss"], rel_tol=1e-5, abs_tol=1e-6), r["method"]
+    with open(quick_results / "bench_fused_linear_cpu.csv") as f:
+        by_method = {r["method"]: r for r in csv.DictReader(f)}
+    assert by_method["fastrl-fused-linear[chunk=16]"]["chunk_size"] == "16"
+    assert by_method["fastrl-fused-linear"]["chunk_size"] == ""
+
+    md = _report().tables("bench", quick_results)
+    main, sweep = md.split("**Chunk-size sweep**")
+    assert "[chunk=" not in main and "| fastrl-fused-linear | 64, 32 | fp32 |" in main
+    header = "| method | N, H, V | dtype | rows per chunk | median ms (q20-q80) | vs default |"
+    assert header in sweep
+    lines = [ln for ln in sweep.splitlines() if ln.startswith("| fastrl-fused-linear |")]
+    assert [ln.split(" | ")[3] for ln in lines] == [f"default ({default})", "8", "16"]
+    assert sum("**fastest**" in ln for ln in lines) == 1
+    assert lines[0].split(" | ")[5] == "1.00x"
+    assert sum(ln.startswith("| linear_logprobs+grpo |") for ln in sweep.splitlines()) == 3
+
+
+def test_chunk_sweep_rows_pass_their_chunk_size(monkeypatch):
+    """Each [chunk=C] row calls the library with chunk_size=C, its default row with None (the
+    same loss either way, so only the call shows it); --chunk-sizes refuses sizes below 1."""
+    import torch
+
+    import fastrl
+
+    mod = load_bench("bench_fused_linear.py")
+    seen = []
+    for name in ("linear_logprobs", "fused_linear_policy_loss"):
+        real = getattr(fastrl, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen.append((_name, kw.get("chunk_size")))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(fastrl, name, spy)
+    args = mod.build_parser().parse_args(["--chunk-sizes", "4", "8", "--no-liger"])
+    assert args.chunk_sizes == [4, 8]
+    assert mod.build_parser().parse_args([]).chunk_sizes is None
+    hidden, weight, li, full, masked = mod.make_inputs(16, 8, 32, 16, torch.float32, "cpu")
+    methods = mod.build_methods(hidden, weight, li, full, masked, args, {})
+    calls = {
+        "linear_logprobs+grpo": ("linear_logprobs", None),
+        "linear_logprobs+grpo[chunk=4]": ("linear_logprobs", 4),
+        "linear_logprobs+grpo[chunk=8]": ("linear_logprobs", 8),
+        "fastrl-fused-linear": ("fused_linear_policy_loss", None),
+        "fastrl-fused-linear[chunk=4]": ("fused_linear_policy_loss", 4),
+        "fastrl-fused-linear[chunk=8]": ("fused_linear_policy_loss", 8),
+    }
+    for name, call in calls.items():
+        seen.clear()
+        methods[name](*mod.leaves(hidden, weight))
+        assert seen == [call], name
+    for bad in ("0", "-2", "x"):
+        with pytest.raises(SystemExit):
+            mod.build_parser().parse_args(["--chunk-sizes", bad])
+
+
+def test_chunk_sweep_table_marks_the_fastest():
+    """The sweep table: per method and case the default row, then the sizes in order, the
+    fastest marked (here a swept size), and no table when the file has no swept rows."""
+    report = _report()
+
+    def row(method, ms, chunk=None, default_ms=None):
+        return {"method": method, "role": "fastrl", "N": 64, "H": 32, "V": 512, "dtype": "bf16",
+                "total_ms": ms, "total_ms_q20": ms, "total_ms_q80": ms, "TFLOPs": 1.0,
+                "x_gemm_floor": ms / 2, "peak_MB": 3.0, "chunk_size": chunk,
+                "vs_default_chunk": default_ms and ms / default_ms}  # fmt: skip
+
+    rows = [row("fastrl-fused-linear", 10.0), row("fastrl-fused-linear[chunk=64]", 6.0, 64, 10.0),
+            row("fastrl-fused-linear[chunk=8]", 8.0, 8, 10.0)]  # fmt: skip
+    lines = report._chunk_sweep(rows)
+    body = [ln for ln in lines if ln.startswith("| fastrl-fused-linear |")]
+    assert [ln.split(" | ")[3] for ln in body] == ["default", "8", "64"]
+    assert [ln.endswith("| **fastest** |") for ln in body] == [False, False, True]
+    assert body[2].split(" | ")[4:7] == ["6.0 (6.0-6.0)", "0.60x", "3.00x"]
+    assert report._chunk_sweep(rows[:1]) == []
+    meta = {"cases": [{"N": 64, "H": 32, "V": 512, "dtype": "bf16", "default_chunk": 32}]}
+    assert "| fastrl-fused-linear | 64, 32, 512 | bf16 | default (32) |" in "\n".join(
+        report._chunk_sweep(rows, meta)
+    )
 
 
 def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):

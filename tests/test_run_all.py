@@ -289,6 +289,40 @@ def test_gpu_tests_run_in_parallel_only_on_cuda(monkeypatch):
     assert "-n" not in run_all.plan(args, True, missing)[0].cmd
 
 
+def test_chunk_size_sweep_on_cuda_only(tmp_path):
+    """The fused-linear stage sweeps chunk sizes on CUDA (bench_fused_linear.py --chunk-sizes
+    CUDA_CHUNK_SIZES), never on the CPU (full or --quick); the sweep's rows get their own
+    x GEMM floor headlines."""
+    run_all = load_bench("run_all.py")
+    missing = dict.fromkeys(run_all.BASELINES)  # every baseline importable
+
+    def fused_cmd(argv, cuda):
+        args = run_all.build_parser().parse_args(["--out", str(tmp_path), *argv])
+        return next(s for s in run_all.plan(args, cuda, missing) if s.name == "fused-linear").cmd
+
+    cmd = fused_cmd([], True)
+    at = cmd.index("--chunk-sizes")
+    sizes = [int(x) for x in cmd[at + 1 : at + 1 + len(run_all.CUDA_CHUNK_SIZES)]]
+    assert sizes == list(run_all.CUDA_CHUNK_SIZES) and len(sizes) >= 3
+    assert cmd[cmd.index("--shapes") + 1] == "8192x4096" and "151936" in cmd
+    assert all(s >= 1 for s in sizes) and max(sizes) <= 8192  # within the stage's N
+    for argv in ([], ["--quick"]):
+        assert "--chunk-sizes" not in fused_cmd(argv, False), argv
+    rows = [
+        {"method": m, "N": 8, "H": 4, "V": 16, "dtype": "bf16", "chunk_size": c, "x_gemm_floor": x}
+        for m, c, x in [("fastrl-fused-linear", None, 2.0), ("gemm-floor", None, 1.0),
+                        ("fastrl-fused-linear[chunk=256]", 256, 1.25),
+                        ("linear_logprobs+grpo[chunk=1024]", 1024, 1.5)]
+    ]  # fmt: skip
+    (tmp_path / "bench_fused_linear_cuda.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    heads = {h["what"]: h["value"] for h in run_all.headlines(tmp_path, True, 0.0)}
+    assert heads == {
+        "fastrl-fused-linear x GEMM floor": 2.0,
+        "fastrl-fused-linear[chunk=256] x GEMM floor": 1.25,
+        "linear_logprobs+grpo[chunk=1024] x GEMM floor": 1.5,
+    }
+
+
 def test_readme_gpu_calls_name_real_stages_and_fit_a_call():
     """The README's lent-GPU plan: each `gpu_run.sh --stages ...` call names only run_all's
     stages, gives each a timeout, and the timeouts fit one 600 s call with a margin for the
