@@ -517,6 +517,22 @@ def choose_shapes(args, one, cuda: bool, cpu_shapes, cuda_shapes, quick_shapes) 
 TOTAL_MS_PANEL = ("total_ms", "fwd+bwd ms (median, q20-q80)", ("total_ms_q20", "total_ms_q80"))
 
 
+@contextlib.contextmanager
+def keep_rows_on_interrupt(notes: dict, rows: list):
+    """Around a benchmark's measuring loop: a KeyboardInterrupt (run_all's stage timeout sends
+    SIGINT, then SIGKILL GRACE_S later; a lent GPU call is cut at its limit) ends the loop, not
+    the script, so the rows measured so far are still written, with notes["interrupted"] saying
+    so. Without this a cut stage lost every row it had timed."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        notes["interrupted"] = (
+            f"cut short by SIGINT (a stage timeout) after {len(rows)} row(s): the rows missing "
+            "from this file were never measured"
+        )
+        print(notes["interrupted"], file=sys.stderr, flush=True)
+
+
 def save_results(name: str, rows: list[dict], meta: dict, args, plot=None) -> dict:
     """write_results(name, rows, meta) into --out; then, unless --no-plot or there are no rows,
     plot(<out>/<name>.png) draws the PNG (and returns its path). The paths written."""

@@ -432,29 +432,33 @@ def main(argv=None):
     n_methods = len(build_methods(*probe, args, {}))
     bar = common.progress(len(cases) * n_methods, "bench_fused_linear", disable=args.no_progress)
     rows, mem_method = [], ""
-    for case in cases:
-        N, H, V, dtype = case
-        label = f"N={N} H={H} V={V} {dtype}"
-        child_argv = [*raw_argv, "--N", str(N), "--H", str(H), "--V", str(V), "--dtype", dtype]
-        child_argv += ["--T", str(args.T)]
-        mems = {} if cuda else common.case_memory(bar, label, __file__, child_argv)
-        dt = common.DTYPES[dtype]
-        hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, dt, device)
-        methods = build_methods(hidden, weight, li, full, masked, args, notes)
-        case_rows = []
-        chunks = {chunk_label(m, c): c for c in args.chunk_sizes or () for m in CHUNKED}
-        for name, step in methods.items():
-            bar.set_postfix_str(f"{label}: {name}")
-            row, mem_method = run(
-                name, step, hidden, weight, case, args, device, mems.get(name), chunks.get(name)
-            )
-            case_rows.append(row)
-            bar.update()
-            bar.write(
-                f"{label:26s} {name:36s} {row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
-                f"{row['total_ms_q80']:.1f}]  {row['TFLOPs']:.3f} TFLOP/s  "
-                f"peak {row['peak_MB']:.0f} MB"
-            )
+    with common.keep_rows_on_interrupt(notes, rows):  # a stage timeout keeps the rows measured
+        for case in cases:
+            N, H, V, dtype = case
+            label = f"N={N} H={H} V={V} {dtype}"
+            child_argv = [*raw_argv, "--N", str(N), "--H", str(H), "--V", str(V), "--dtype", dtype]
+            child_argv += ["--T", str(args.T)]
+            mems = {} if cuda else common.case_memory(bar, label, __file__, child_argv)
+            dt = common.DTYPES[dtype]
+            hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, dt, device)
+            methods = build_methods(hidden, weight, li, full, masked, args, notes)
+            chunks = {chunk_label(m, c): c for c in args.chunk_sizes or () for m in CHUNKED}
+            for name, step in methods.items():
+                bar.set_postfix_str(f"{label}: {name}")
+                row, mem_method = run(
+                    name, step, hidden, weight, case, args, device, mems.get(name), chunks.get(name)
+                )
+                rows.append(row)
+                bar.update()
+                bar.write(
+                    f"{label:26s} {name:36s} {row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
+                    f"{row['total_ms_q80']:.1f}]  {row['TFLOPs']:.3f} TFLOP/s  "
+                    f"peak {row['peak_MB']:.0f} MB"
+                )
+            del hidden, weight, li, methods
+            gc.collect()
+    for case in cases:  # the ratios within each case, of the rows it has
+        case_rows = [r for r in rows if (r["N"], r["H"], r["V"], r["dtype"]) == case]
         floor = next((r for r in case_rows if r["method"] == FLOOR), None)
         base = next((r for r in case_rows if r["method"] == MEM_BASELINE), None)
         by_name = {r["method"]: r for r in case_rows}
@@ -471,9 +475,6 @@ def main(argv=None):
                 else None
             )
             r["vs_default_chunk"] = r["total_ms"] / default["total_ms"] if default else None
-        rows += case_rows
-        del hidden, weight, li, methods
-        gc.collect()
     bar.close()
     for why in notes.values():
         print(why, file=sys.stderr)

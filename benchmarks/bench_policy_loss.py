@@ -423,35 +423,38 @@ def main(argv=None):
     n_methods = len(build_methods(make_inputs(1, 2, 8, torch.float32, device), args, device, {}))
     bar = common.progress(len(cases) * n_methods, "bench_policy_loss", disable=args.no_progress)
     rows, mem_method = [], ""
-    for case in cases:
-        B, T, V, dtype = case
-        label = f"N={B * T} V={V} {dtype}"
-        mems = {} if cuda else common.case_memory(bar, label, __file__, case_argv(raw_argv, case))
-        inp = make_inputs(B, T, V, common.DTYPES[dtype], device)
-        methods = build_methods(inp, args, device, notes)
-        case_rows = []
-        for name, method in methods.items():
-            bar.set_postfix_str(f"{label}: {name}")
-            with common.busy_processes(args.busy):
-                row, mem_method = bench_method(
-                    name, method, case, args, device, mems.get(name), rates
+    with common.keep_rows_on_interrupt(notes, rows):  # a stage timeout keeps the rows measured
+        for case in cases:
+            B, T, V, dtype = case
+            label = f"N={B * T} V={V} {dtype}"
+            case_argv_ = case_argv(raw_argv, case)
+            mems = {} if cuda else common.case_memory(bar, label, __file__, case_argv_)
+            inp = make_inputs(B, T, V, common.DTYPES[dtype], device)
+            methods = build_methods(inp, args, device, notes)
+            for name, method in methods.items():
+                bar.set_postfix_str(f"{label}: {name}")
+                with common.busy_processes(args.busy):
+                    row, mem_method = bench_method(
+                        name, method, case, args, device, mems.get(name), rates
+                    )
+                rows.append(row)
+                bar.update()
+                bar.write(
+                    f"{label:22s} {name:20s} fwd {row['fwd_ms']:9.1f}  total "
+                    f"{row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
+                    f"{row['total_ms_q80']:.1f}]  peak {row['peak_MB']:8.1f} MB  "
+                    f"{row['GBs']:6.1f} GB/s"
                 )
-            case_rows.append(row)
-            bar.update()
-            bar.write(
-                f"{label:22s} {name:20s} fwd {row['fwd_ms']:9.1f}  total {row['total_ms']:9.1f} ms"
-                f" [{row['total_ms_q20']:.1f}, {row['total_ms_q80']:.1f}]  peak "
-                f"{row['peak_MB']:8.1f} MB  {row['GBs']:6.1f} GB/s"
-            )
+            del inp, methods
+            gc.collect()
+    for case in cases:  # the ratios within each case, of the rows it has
+        case_rows = [r for r in rows if (r["B"], r["T"], r["V"], r["dtype"]) == case]
         base_row = next((r for r in case_rows if r["method"] == BASELINE), None)
         for r in case_rows:
             r["speedup_vs_trl_eager"] = base_row["total_ms"] / r["total_ms"] if base_row else None
             r["memory_vs_trl_eager"] = (
                 r["peak_MB"] / base_row["peak_MB"] if base_row and base_row["peak_MB"] > 0 else None
             )
-        rows += case_rows
-        del inp, methods
-        gc.collect()
     bar.close()
     for why in notes.values():
         print(why, file=sys.stderr)

@@ -83,6 +83,32 @@ def test_busy_runs_get_their_own_results_file(tmp_path, script):
     assert "keeping a core busy" in _report().tables("bench", tmp_path)
 
 
+@pytest.mark.parametrize(
+    "script, measure", [("bench_policy_loss.py", "bench_method"), ("bench_fused_linear.py", "run")]
+)
+def test_a_cut_run_keeps_the_rows_it_measured(tmp_path, monkeypatch, script, measure):
+    """run_all's stage timeout sends SIGINT (a KeyboardInterrupt) before it kills a stage: the
+    loss benchmarks then write the rows timed so far, with a note, instead of nothing (a lent
+    GPU call's stage cut at its timeout used to lose every row)."""
+    mod = load_bench(script)
+    real, calls = getattr(mod, measure), []
+
+    def third_call_interrupted(*a, **kw):
+        calls.append(a[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, measure, third_call_interrupted)
+    extra = ["--no-compile"] if script == "bench_policy_loss.py" else ["--no-liger"]
+    mod.main(["--quick", "--dtype", "fp32", "--no-progress", "--no-plot", "--out", str(tmp_path),
+              *extra])  # fmt: skip
+    data = _load(tmp_path / f"{script.removesuffix('.py')}_cpu.json")
+    assert [r["method"] for r in data["rows"]] == calls[:2]
+    assert "cut short by SIGINT" in data["meta"]["notes"]["interrupted"]
+    assert all(math.isfinite(r["total_ms"]) for r in data["rows"])
+
+
 def test_help_explains_the_options():
     fused = ["--quick", "--shapes", "--dtype", "--slow-ms", "gemm-floor", "--chunk-sizes"]
     for script, options in [

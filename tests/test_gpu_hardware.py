@@ -4,7 +4,7 @@ forward and backward, and torch.compile(fullgraph=True) through the ops on CUDA.
 
 Each check is written once, over a device: on CUDA at the hardware shapes (marked `gpu`), and,
 where it has one, on the CPU at small shapes, so that CI runs the test code itself before a GPU
-does (the first GPU session has 30 device-minutes; a broken test would spend them).
+does (a GPU session has 15 device-minutes in all; a broken test would spend them).
 """
 
 from __future__ import annotations
