@@ -132,23 +132,26 @@ def _to_pre_activation(dz: Tensor, factor, logit_scale: float) -> Tensor:
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _add_product_fp32(acc: Tensor, a: Tensor, b: Tensor, first: bool, buf: _Buffer) -> None:
-    """acc = a @ b (first) or acc += a @ b, acc fp32 (V, H), a = dz^T (V, R), b (R, H): the product
-    is formed and added in fp32, never rounded to a bf16 / fp16 GEMM's dtype first. (Rounding
-    each chunk's product before the sum adds an error per chunk: with many chunks dW drifts by
-    many ulps from the same sum taken once; test_fused_linear's dW-independent-of-chunk test.)
-    CUDA: the half-precision GEMM with an fp32 output; elsewhere an fp32 GEMM on an fp32 copy
-    of dz (in the buffer's fp32 scratch) and of the rows."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b.float(), beta=0.0 if first else 1.0)  # beta = 0: no zero fill, no read
-    elif _MM_OUT_DTYPE and acc.device.type == "cuda":
+def _add_product_fp32(acc: Tensor, dz: Tensor, dz_rows: Tensor, rows: Tensor, first: bool,
+                      buf: _Buffer) -> None:  # fmt: skip
+    """acc = dz^T X (first) or acc += dz^T X: acc fp32 (V, H), dz (R, V) (fp32 after a logit scale
+    or softcap, else the GEMM's dtype), dz_rows = dz in the rows' dtype, rows X (R, H). The
+    product is formed and added in fp32, never rounded to a bf16 / fp16 GEMM's dtype first
+    (rounding each chunk's product before the sum adds an error per chunk: with many chunks dW
+    drifts by many ulps from the same sum taken once; test_fused_linear's dW-independent-of-
+    chunk test). CUDA: the rows' half-precision GEMM with an fp32 output (an fp32 dz is rounded
+    to the rows' dtype for it, as for dX); elsewhere an fp32 GEMM on dz in fp32 (widened into
+    the buffer's fp32 scratch when it is not) and the rows widened."""
+    beta = 0.0 if first else 1.0  # beta = 0 on the first chunk: no zero fill, no read
+    if rows.dtype != torch.float32 and _MM_OUT_DTYPE and acc.device.type == "cuda":
         if first:
-            torch.mm(a, b, out_dtype=torch.float32, out=acc)
+            torch.mm(dz_rows.t(), rows, out_dtype=torch.float32, out=acc)
         else:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        a32 = buf.f32(a.shape[1]).copy_(a.t()).t()
-        acc.addmm_(a32, b.float(), beta=0.0 if first else 1.0)
+            torch.addmm(acc, dz_rows.t(), rows, out_dtype=torch.float32, out=acc)
+        return
+    if dz.dtype != torch.float32:
+        dz = buf.f32(dz.shape[0]).copy_(dz)
+    acc.addmm_(dz.t(), rows.float(), beta=beta)
 
 
 class _Grads:
@@ -174,14 +177,15 @@ class _Grads:
         """dX[idx] = dz W; dW += dz^T X; db += sum_rows dz (dz (R, V): fp32 after a logit
         scale or softcap, else in the GEMM dtype; the dX GEMM runs in the rows' dtype)."""
         first, self.started = not self.started, True
-        _add_product_fp32(self.weight, dz.t(), rows, first, self.buf)
+        dz_rows = dz.to(rows.dtype)  # dz itself unless a scale / softcap made it fp32
+        _add_product_fp32(self.weight, dz, dz_rows, rows, first, self.buf)
         if self.bias is not None:
             db = dz.sum(0, dtype=torch.float32)
             if first:
                 self.bias.copy_(db)
             else:
                 self.bias.add_(db)
-        self.hidden.index_copy_(0, idx, dz.to(rows.dtype) @ weight)
+        self.hidden.index_copy_(0, idx, dz_rows @ weight)
 
     def result(self, bias):
         """(dX in hidden's dtype, dW fp32, db in the bias' dtype or None)."""
