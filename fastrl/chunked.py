@@ -37,9 +37,10 @@ gives bitwise the float's results). The values are the caller's to check (finite
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 from torch import Tensor
@@ -71,13 +72,21 @@ _POOL_LOCK = threading.Lock()
 _CHUNKS_PER_THREAD = 4  # at least this many chunks per thread when rows allow (load balance)
 
 
+_SINGLE = threading.local()  # .done: this pool thread already runs its torch ops on one thread
+
+
 def _threads(device: torch.device) -> int:
     """Worker threads for the chunk loop on `device`: torch's intra-op thread count on the CPU
-    (FASTRL_CPU_THREADS overrides; 1 runs the chunks in the calling thread), 1 elsewhere."""
+    (FASTRL_CPU_THREADS, an int >= 1, overrides; 1 runs the chunks in the calling thread), 1
+    elsewhere."""
     if device.type != "cpu":
         return 1
     env = os.environ.get("FASTRL_CPU_THREADS", "").strip()
-    return max(1, int(env)) if env else max(1, torch.get_num_threads())
+    if not env:
+        return max(1, torch.get_num_threads())
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"FASTRL_CPU_THREADS must be an int >= 1 (or unset), got {env!r}")
+    return int(env)
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
@@ -86,6 +95,17 @@ def _pool(n: int) -> ThreadPoolExecutor:
         if _POOL is None or _POOL._max_workers < n:
             _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastrl-chunk")
         return _POOL
+
+
+def _forget_pool_after_fork() -> None:
+    """In a forked child the pool's threads do not exist (its chunks would wait forever): a new
+    pool and lock are made on first use there."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def chunk_step(N: int, V: int, device: torch.device) -> int:
@@ -118,31 +138,44 @@ def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: 
         for r0 in starts:
             body(r0, min(N, r0 + step), work)
         return
-    queue, lock = iter(starts), threading.Lock()
+    queue, lock, stop = iter(starts), threading.Lock(), threading.Event()
     # the caller's thread-local dispatch state (a custom op's implementation runs below
-    # autograd) and grad mode, which a new thread would not inherit
+    # autograd), grad mode and inference mode, which a new thread would not inherit
     include = torch._C._dispatch_tls_local_include_set()
     exclude = torch._C._dispatch_tls_local_exclude_set()
-    grad_mode = torch.is_grad_enabled()
+    grad_mode, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def worker():
-        torch.set_num_threads(1)  # this thread's ops: no intra-op barriers
+        if not getattr(_SINGLE, "done", False):
+            # this thread's ops: no intra-op barriers. torch.set_num_threads also sets the count
+            # that threads new to torch start with: set once per pool thread, inside a call (the
+            # caller restores it below), so later calls leave the process's setting alone
+            torch.set_num_threads(1)
+            _SINGLE.done = True
         work = make_work()
-        with torch._C._ForceDispatchKeyGuard(include, exclude), torch.set_grad_enabled(grad_mode):
-            while True:
+        # inference mode first: its guard edits the dispatch keys, which the caller's then replace
+        mode = torch.inference_mode() if inference else contextlib.nullcontext()
+        guards = torch._C._ForceDispatchKeyGuard(include, exclude)
+        with mode, guards, torch.set_grad_enabled(grad_mode):
+            while not stop.is_set():  # a failed chunk, or the caller's own exception, stops it
                 with lock:
                     r0 = next(queue, None)
                 if r0 is None:
                     return
                 body(r0, min(N, r0 + step), work)
 
-    intra = torch.get_num_threads()
+    intra, futures = torch.get_num_threads(), []
     try:
         futures = [_pool(threads).submit(worker) for _ in range(threads)]
         for f in futures:
             f.result()
     finally:
-        torch.set_num_threads(intra)  # the caller's setting, whatever the workers did
+        # nothing this call started runs on once it returns or raises (a chunk's exception, or
+        # one raised in the caller, e.g. by a signal handler): the chunks in progress end, no
+        # new one starts, and the caller's memory is its own again
+        stop.set()
+        wait(futures)
+        torch.set_num_threads(intra)  # the caller's setting, whatever a new worker did
 
 
 def _view_rows(x: Tensor, r0: int, r1: int) -> Tensor | None:

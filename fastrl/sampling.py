@@ -204,7 +204,8 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
         if greedy:
             tok = z.argmax(-1)
         else:
-            gumbel = torch.rand(z.shape, generator=generator, device=dev)
+            # fp32 noise whatever the default dtype (a bf16 default rounded z' + G: biased draws)
+            gumbel = torch.rand(z.shape, generator=generator, device=dev, dtype=torch.float32)
             gumbel.log_().neg_().log_()  # log E = -G, E = -log U ~ Exp(1)
             tok = gumbel.neg_().add_(z).argmax(-1)  # z' + G
             del gumbel

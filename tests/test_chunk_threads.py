@@ -76,3 +76,102 @@ def test_gae_threads_are_bitwise_equal_to_one_thread(monkeypatch, lam):
     counted = ref_adv[mask]
     whitened = (counted - counted.mean()) / torch.sqrt(counted.var() + 1e-8)
     torch.testing.assert_close(a1[mask], whitened, rtol=1e-4, atol=1e-4)
+
+
+def _many_chunks(monkeypatch, V=129, rows=7):
+    """FASTRL_CPU_THREADS=2 and `rows` rows per chunk, so that a small call spreads over both
+    worker threads."""
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    monkeypatch.setenv("FASTRL_CPU_THREADS", "2")
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", V * 4 * rows)
+    monkeypatch.setattr(chunked, "SUB_BYTES", V * 4 * 3)
+
+
+def test_inference_mode_reaches_the_workers(monkeypatch):
+    """Under torch.inference_mode (a common way to score pi_old / pi_ref) the outputs are
+    inference tensors: the worker threads must write them in inference mode too. They raised
+    'Inplace update to inference tensor outside InferenceMode' once a call had two chunks."""
+    _many_chunks(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 40, 129, generator=g)
+    tokens = torch.randint(0, 129, (2, 40), generator=g)
+    adv = torch.randn(2, generator=g)
+    rewards, values = torch.randn(64, 50, generator=g), torch.randn(64, 50, generator=g)
+
+    def calls():
+        lp, ent = fastrl.logprobs(logits, tokens, entropy=True)
+        loss = fastrl.policy_loss(logits, tokens, adv, config="dapo").loss
+        return lp, ent, loss, *fastrl.gae(rewards, values, torch.ones(64, 50, dtype=torch.bool))
+
+    with torch.no_grad():
+        want = calls()
+    with torch.inference_mode():
+        got = calls()
+    for a, b in zip(got, want):
+        assert a.is_inference() and torch.equal(a, b)
+
+
+def test_a_forked_child_gets_a_pool_of_its_own(monkeypatch):
+    """A child forked after the parent's pool exists (multiprocessing's fork, a DataLoader
+    worker) has none of its threads: its chunks waited forever. The pool is made anew there."""
+    import os
+    import signal
+
+    _many_chunks(monkeypatch)
+    logits = torch.randn(40, 129)
+    tokens = torch.randint(0, 129, (40,))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's own OpenMP pool does not survive a fork either
+    try:
+        want = fastrl.logprobs(logits, tokens)  # the parent's pool now has its threads
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the call returns the parent's numbers
+            signal.alarm(60)
+            ok = torch.equal(fastrl.logprobs(logits, tokens), want)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert os.waitstatus_to_exitcode(status) == 0  # -14: hung until its alarm
+
+
+def test_nothing_runs_on_after_a_chunk_fails(monkeypatch):
+    """When a chunk raises, no new chunk starts and the chunks in progress end before the call
+    raises: once it has raised, nothing it started writes into the caller's memory (the other
+    workers used to run the remaining chunks in the background)."""
+    import time
+
+    monkeypatch.setenv("FASTRL_CPU_THREADS", "2")
+    done = []
+
+    def body(r0, r1, work):
+        if r0 == 2:
+            raise RuntimeError("chunk 2 failed")
+        time.sleep(0.005)
+        done.append(r0)
+
+    with pytest.raises(RuntimeError, match="chunk 2 failed"):
+        chunked.run_chunks(100, 1, torch.device("cpu"), body)
+    ran = len(done)
+    time.sleep(0.1)
+    assert len(done) == ran < 20  # nothing after the raise; the other 97 chunks never started
+
+
+def test_a_warm_pool_leaves_the_thread_count_alone(monkeypatch):
+    """torch.set_num_threads also sets the count that threads new to torch start with: a pool
+    thread sets its own once, so a call on a warm pool only restores the caller's setting (a
+    thread that first used torch during any call used to keep 1 thread for good)."""
+    _many_chunks(monkeypatch)
+    logits, tokens = torch.randn(40, 129), torch.randint(0, 129, (40,))
+    fastrl.logprobs(logits, tokens)  # the pool threads are warm
+    real, seen = torch.set_num_threads, []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n) or real(n))
+    fastrl.logprobs(logits, tokens)
+    assert seen == [torch.get_num_threads()]
+
+
+@pytest.mark.parametrize("value", ["auto", "2.0", "0", "-1"])
+def test_bad_thread_count_is_named(monkeypatch, value):
+    monkeypatch.setenv("FASTRL_CPU_THREADS", value)
+    with pytest.raises(ValueError, match=f"FASTRL_CPU_THREADS must be an int >= 1.*'{value}'"):
+        fastrl.logprobs(torch.randn(4, 9), torch.zeros(4, dtype=torch.long))
