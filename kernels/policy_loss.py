@@ -140,7 +140,8 @@ def _token_stats_store(
 ):
     # From a row's merged (m, s, w, n_nan): lse = m + log s, H = log s - w / s and
     # logp = z'_y - lse = (z'_y - m) - log s (max-shifted: exact at large offsets; NaN for y
-    # outside [0, V)); all three NaN when the row holds a NaN logit.
+    # outside [0, V)); all three NaN when the row holds a NaN logit. Also returns log s (NaN
+    # there too), for a gradient formed in the same program from (z' - m) - log s.
     log_s, lse, entropy = _lse_finish(m, s, w, n_nan)
     y = tl.load(tokens_ptr + row).to(tl.int64)
     y_ok = (y >= 0) & (y < V)
@@ -149,7 +150,7 @@ def _token_stats_store(
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
     tl.store(lse_ptr + row, lse)
-    return logp, lse, entropy
+    return logp, lse, entropy, tl.where(n_nan > 0, float("nan"), log_s)
 
 
 @triton.jit
@@ -260,7 +261,7 @@ def _token_stats_bwd_kernel(
     y = tl.load(tokens_ptr + row).to(tl.int64)
     inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
     _row_grad_store(
-        row_ptr, out_ptr, V, y, logp, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V
+        row_ptr, out_ptr, V, y, logp, lse, 0.0, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V
     )
 
 
@@ -271,7 +272,8 @@ def _row_grad_store(
     V,
     y,
     logp,
-    lse,
+    shift,
+    log_s,
     entropy,
     g,
     h,
@@ -281,13 +283,16 @@ def _row_grad_store(
 ):
     # SPEC 6 for one row into out_ptr: dL/dz_j = (1/tau) [g (1[j = y] - p_j) - h p_j (log p_j
     # + H)], BLOCK_V columns at a time. g = h = 0 (a masked token) writes zeros without reading
-    # the logits. log p_j = z'_j - lse, except at j = y: that entry is formed once per row from
-    # the row's logp = (z'_y - m) - log s, as the forward formed it. lse = m + log s is rounded
-    # at |lse|'s scale, so z'_y - lse is off by about eps |lse| (eps = 2^-24), all of which
-    # lands in 1 - p_y: in a nearly one-hot row (1 - p_y ~ 1e-4, |lse| ~ 30) about 2 % of the
-    # entry. From logp, the error of 1 - p_y is that of torch's own log_softmax backward (about
-    # eps). (A scalar before the loop, not a select of logp inside it: that kept one more value
-    # live per element and made triton 3.6 spill at BLOCK_V >= 4096 with the entropy term.)
+    # the logits. log p_j = (z'_j - shift) - log_s: the one-pass kernel passes (m, log s), the
+    # row max and log of its sum, so p_j is max-shifted and exact at any logit offset; a
+    # gradient kernel with only the stored lse = m + log s passes (lse, 0), whose rounding at
+    # |lse|'s scale costs p_j about 6e-8 |lse| (README "Precision"). Except at j = y: that
+    # entry is formed once per row from the row's logp = (z'_y - m) - log s, as the forward
+    # formed it. With the stored lse, z'_y - lse is off by about eps |lse| (eps = 2^-24), all
+    # of which lands in 1 - p_y: in a nearly one-hot row (1 - p_y ~ 1e-4, |lse| ~ 30) about 2 %
+    # of the entry. From logp, the error of 1 - p_y is that of torch's own log_softmax backward
+    # (about eps). (A scalar before the loop, not a select of logp inside it: that kept one more
+    # value live per element and made triton 3.6 spill at BLOCK_V >= 4096 with the entropy term.)
     cols = tl.arange(0, BLOCK_V)
     if (g == 0.0) & (h == 0.0):
         for start in range(0, V, BLOCK_V):
@@ -307,7 +312,7 @@ def _row_grad_store(
             offs = start + cols
             valid = offs < V
             z = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            log_p = z - lse
+            log_p = (z - shift) - log_s
             p = tl.exp(log_p)
             d = -g * p
             if HAS_GRAD_ENTROPY:
@@ -469,7 +474,7 @@ def _policy_loss_fwd_kernel(
         row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
         inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
         m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
-        logp, lse, entropy = _token_stats_store(
+        logp, lse, entropy, log_s = _token_stats_store(
             row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
         )
         c = tl.load(weight_ptr + row)
@@ -495,7 +500,7 @@ def _policy_loss_fwd_kernel(
         y = tl.load(tokens_ptr + row).to(tl.int64)
         out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
         _row_grad_store(
-            row_ptr, out_ptr, V, y, logp, lse, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY,
+            row_ptr, out_ptr, V, y, logp, m, log_s, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY,
             BLOCK_V,
         )  # fmt: skip
 

@@ -147,6 +147,33 @@ def test_sampled_token_at_minus_inf_has_a_finite_gradient(engine):
     assert torch.all(h.grad[0] == 0)
 
 
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_policy_loss_gradient_at_a_large_logit_offset(engine, offset):
+    """policy_loss's gradient forms p_j from max-shifted logits, (z'_j - m) - log s, on every
+    path (the CPU's one pass, the Triton one-pass kernel), so a common offset of the logits
+    changes nothing: float64's gradient to fp32 precision. The kernel used z'_j - lse, with lse
+    rounded at |lse|'s scale: 1.1e-4 off at 1e4, 6.7e-3 at 1e6 (entries of size ~0.1)."""
+    device, _ = engine
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 3, 7, generator=g)
+    z = base + offset  # fp32 logits; float64 differentiates the same values
+    tokens = torch.randint(0, 7, (2, 3), generator=g)
+    adv = torch.tensor([1.0, -0.5])
+    x = z.to(device).requires_grad_()
+    out = fastrl.policy_loss(x * 1.0, tokens.to(device), adv.to(device), policy="reinforce",
+                             entropy_coef=0.1)  # fmt: skip
+    out.loss.backward()
+
+    def loss(w):
+        ls = torch.log_softmax(w, -1)
+        logp = ls.gather(-1, tokens[..., None])[..., 0]
+        entropy = -(ls.exp() * ls).sum(-1)
+        return (-logp * adv[:, None] - 0.1 * entropy).mean()
+
+    want = _f64_grad(z, loss)
+    torch.testing.assert_close(x.grad.cpu().double(), want, rtol=0, atol=2e-6)
+
+
 def test_tiny_temperature_with_entropy_has_a_finite_gradient(engine):
     """tau = 1e-37 is accepted (finite, > 0): the entropy term's slope h / tau ~ 1e36 times
     log p_j at p_j = 0 overflowed on the CPU path, and 0 * inf made NaN entries where float64
