@@ -388,6 +388,10 @@ def prepare_policy_inputs(
             "ratio_level": cfg.ratio_level == "sequence",
             "rollout_is": cfg.rollout_is == "sequence",
             "agg": cfg.agg not in ("token-mean", "token-sum"),
+            # the k3 bias correction by the sequence's ratio (it couples a sequence's tokens)
+            "kl_bias_ratio": cfg.kl_coef != 0
+            and cfg.kl_bias_correction
+            and cfg.kl_bias_ratio == "sequence",
         }
         used = [f"{k}={getattr(cfg, k)!r}" for k, on in seq_opts.items() if on]
         if used:

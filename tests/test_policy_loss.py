@@ -457,6 +457,16 @@ def test_bad_inputs():
     flat = dict(logits=logits[0], tokens=tokens[0], advantages=torch.randn(T))
     with pytest.raises(ValueError, match="needs sequences"):
         fastrl.policy_loss(**flat, agg="seq-mean-token-mean")
+    # the k3 bias correction by the sequence's ratio: flat rows used to be taken as one sequence
+    seq_kl = dict(kl_coef=0.5, kl_bias_correction=True, kl_bias_ratio="sequence")
+    ref = torch.randn(T)
+    with pytest.raises(ValueError, match="kl_bias_ratio='sequence' needs sequences"):
+        fastrl.policy_loss(**flat, ref_logp=ref, **seq_kl)
+    with pytest.raises(ValueError, match="kl_bias_ratio='sequence' needs sequences"):
+        fastrl.policy_loss_from_logprobs(
+            torch.randn(T), None, torch.randn(T), ref_logp=ref, **seq_kl
+        )
+    fastrl.policy_loss(**flat, ref_logp=ref, **{**seq_kl, "kl_bias_ratio": "token"})  # per token
 
 
 def test_no_grad_inputs_and_outputs_detached():
