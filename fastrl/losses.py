@@ -112,6 +112,10 @@ def policy_loss(
     `backward()`, and backward runs once (no retain_graph double backward). Misuse detected by
     autograd's version counter raises (the write bumps it); misuse it cannot see gives wrong
     numbers. With a non-contiguous V dimension the gradient lands in the internal copy instead.
+    Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
+    sliced to the completion) hand the whole base's storage on as its gradient, the rows
+    outside a:b zeroed in the backward: no (B, S, V) buffer is made for the slice's backward,
+    and the same rules then hold for the whole base.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
 
     Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with
@@ -138,7 +142,13 @@ def policy_loss(
         logp, entropy, grad = _policy_grad(x, inplace)
         with torch.no_grad():
             out = policy_output(logp, entropy, x)
-        out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
+        # inplace on base[:, a:b] (the README's lm_head output sliced to the completion): the
+        # base's storage is the gradient; no (B, S, V) buffer in the slice's backward
+        rows = ops.sliced_rows(logits) if inplace and grad.data_ptr() == logits.data_ptr() else None
+        if rows is not None and not _compiling():
+            out.loss = ops.attach_grad_to_base(out.loss, *rows)
+        else:
+            out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:
         logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature)
         out = policy_output(logp, entropy, x)

@@ -452,6 +452,57 @@ class _AttachGrads(torch.autograd.Function):
         return (None, None, *grads, *(None for _ in grads))
 
 
+class _AttachBaseGrad(torch.autograd.Function):
+    """loss made differentiable w.r.t. `base` (B, S, V) when the logits were its rows a:b
+    (`base[:, a:b]`, an lm_head output sliced to the completion) and `policy_loss(inplace=True)`
+    wrote their gradient over them: the backward hands on the base's own storage, the rows
+    outside a:b zeroed there, scaled by dL_total/dloss. Attached to the view instead, autograd's
+    slice backward would allocate a zero (B, S, V) tensor and copy the gradient into it."""
+
+    @staticmethod
+    def forward(ctx, loss, base, a, b):
+        ctx.grad, ctx.rows, ctx.done = base.detach(), (a, b), False  # the storage, no copy
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        refuse_double_backward("policy_loss")
+        if ctx.done:
+            raise RuntimeError(
+                "fastrl: backward through this fused loss ran twice (retain_graph=True): its "
+                "gradient is computed once in the forward; compute the loss again instead"
+            )
+        ctx.done = True
+        grad, (a, b) = ctx.grad, ctx.rows
+        with torch.no_grad():
+            grad[:, :a].zero_()  # the prompt rows (and any after b): no gradient
+            grad[:, b:].zero_()
+        scale_grad_(grad, grad_loss)
+        return None, grad, None, None
+
+
+def sliced_rows(view: Tensor) -> tuple[Tensor, int, int] | None:
+    """(base, a, b) when `view` is base[:, a:b] of a contiguous (B, S, V) tensor autograd
+    differentiates (not a leaf), else None."""
+    base = view._base
+    if base is None or base.is_leaf or not base.requires_grad or base.dim() != 3:
+        return None
+    if view.dim() != 3 or not base.is_contiguous() or view.stride() != base.stride():
+        return None
+    B, S, V = base.shape
+    offset = view.storage_offset() - base.storage_offset()
+    a, T = offset // V, view.shape[1]
+    if view.shape[0] != B or view.shape[2] != V or offset % V or not 0 <= a <= S - T:
+        return None
+    return base, a, a + T
+
+
+def attach_grad_to_base(loss: Tensor, base: Tensor, a: int, b: int) -> Tensor:
+    """`loss` as a differentiable function of `base` whose rows a:b already hold its gradient
+    (written in place) and whose other rows get 0: see _AttachBaseGrad."""
+    return _AttachBaseGrad.apply(loss, base, a, b)
+
+
 def attach_grads(loss: Tensor, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
     """`loss` (a value) as a differentiable function of `inputs` with d loss / d inputs = grads
     (same shapes), so that backward costs no more than scaling the gradients."""

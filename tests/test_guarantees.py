@@ -226,6 +226,51 @@ def test_inplace_then_reading_the_logits_is_caught_by_autograd():
         (out.loss + other.sum()).backward()
 
 
+@pytest.mark.parametrize("sl", [slice(3, -1), slice(0, None), slice(2, 6)])
+def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl):
+    """logits = (h W^T)[:, P-1:-1], passed as is (README): with inplace=True the gradient is
+    written over those rows and the backward hands the base's own storage on, its other rows
+    zeroed. Attached to the slice, autograd's slice backward allocated a zero (B, S, V) tensor
+    and copied the gradient into it. Gradients equal inplace=False's; backward scaling works."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, V = 2, 9, 4, 50  # dW (V, H) smaller than any slice's logits
+    hidden = torch.randn(B, S, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / H**0.5
+    T = len(range(S)[sl])
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    adv, old = torch.randn(B, generator=g), torch.randn(B, T, generator=g) * 0.1 - 3.0
+
+    class BigAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat = [*args, *(kwargs or {}).values()]
+            seen = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen
+                if new and t.numel() >= B * T * V:  # a new buffer the size of the logits
+                    self.big.append(func._schema.name)
+            return out
+
+    grads = {}
+    for inplace in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = (h @ w.T)[:, sl]
+        out = fastrl.policy_loss(logits, tokens, adv, old, config="dapo", inplace=inplace)
+        with BigAllocations() as mode:
+            (2.0 * out.loss).backward()
+        if inplace:
+            assert mode.big == [], mode.big  # no (B, T, V) or (B, S, V) buffer in the backward
+        grads[inplace] = (h.grad, w.grad)
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------- 4. counts and masks
 @pytest.mark.parametrize("bad", [0.0, -6.0, float("nan"), float("inf")])
 def test_tensor_counts_never_give_a_finite_wrong_loss(bad):
