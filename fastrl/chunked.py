@@ -2,8 +2,9 @@
 
 It works on `chunk_rows(V)` rows of the (B, T, V) logits at a time (about CHUNK_BYTES of fp32 per
 temporary), its element-wise passes on cache-sized blocks of `sub_rows(V)` rows (SUB_BYTES), so
-its transient memory is bounded and independent of N and it never makes an fp32 copy of all the
-logits. `fastrl.ops` dispatches here; the Triton backend is `fastrl.kernels`.
+its transient memory is bounded and independent of N (about CHUNK_BYTES + 2 SUB_BYTES of work
+buffers per worker thread: `_threads`) and it never makes an fp32 copy of all the logits.
+`fastrl.ops` dispatches here; the Triton backend is `fastrl.kernels`.
 
 The backend interface (the same names as the Triton launchers in fastrl/kernels/policy_loss.py;
 `fastrl.ops.backend(device)` picks one of the two modules):
