@@ -50,7 +50,10 @@ def default_chunk(V: int, device: torch.device | str | None = None) -> int:
     fp32 dW sum (8 V H bytes), whatever its rows: at the CPU's ~110 rows (V = 151936) a batch of
     N = 8192 rows at H = 4096 would move ~373 GB for dW alone, against ~7.5 GB in two chunks of
     4096. 4096 is an estimate from those bytes, not a measurement: the GPU run's
-    bench_fused_linear `--chunk-sizes` rows time the alternatives."""
+    bench_fused_linear `--chunk-sizes` rows time the alternatives. The cap counts 2-byte logits:
+    with a logit scale or softcap a chunk's logits are fp32 and the softcap's slope another fp32
+    chunk (~6 GB at V = 151936, ~11 GB at 262144): pass a smaller chunk_size where that is
+    too much."""
     if torch.device(device or "cpu").type == "cpu":
         return 2 * chunked.chunk_rows(V)
     return max(1, min(GPU_CHUNK_ROWS, GPU_CHUNK_BYTES // (2 * max(V, 1))))

@@ -85,7 +85,7 @@ def _threads(device: torch.device) -> int:
     env = os.environ.get("FASTRL_CPU_THREADS", "").strip()
     if not env:
         return max(1, torch.get_num_threads())
-    if not env.isdigit() or int(env) < 1:
+    if not (env.isascii() and env.isdigit()) or int(env) < 1:
         raise ValueError(f"FASTRL_CPU_THREADS must be an int >= 1 (or unset), got {env!r}")
     return int(env)
 
@@ -152,6 +152,7 @@ def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: 
             # that threads new to torch start with: set once per pool thread, inside a call (the
             # caller restores it below), so later calls leave the process's setting alone
             torch.set_num_threads(1)
+            torch.get_num_threads()  # this thread's lazy intra-op init now, while the count is 1
             _SINGLE.done = True
         work = make_work()
         # inference mode first: its guard edits the dispatch keys, which the caller's then replace
@@ -163,7 +164,11 @@ def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: 
                     r0 = next(queue, None)
                 if r0 is None:
                     return
-                body(r0, min(N, r0 + step), work)
+                try:
+                    body(r0, min(N, r0 + step), work)
+                except BaseException:
+                    stop.set()  # no other worker takes a new chunk
+                    raise
 
     intra, futures = torch.get_num_threads(), []
     try:

@@ -115,7 +115,11 @@ def policy_loss(
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
     sliced to the completion) hand the whole base's storage on as its gradient, the rows
     outside a:b zeroed in the backward: no (B, S, V) buffer is made for the slice's backward,
-    and the same rules then hold for the whole base.
+    and the same rules then hold for the whole base (its other rows read 0 after backward).
+    The loss is then a function of the base, not of the slice: `torch.autograd.grad(loss,
+    logits)` or `logits.retain_grad()` need inplace=False. A second inplace loss on another
+    slice of the same base turns the first to autograd's copying form (gradients exact);
+    under torch.compile the slice's own path is taken.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
 
     Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with
@@ -142,11 +146,8 @@ def policy_loss(
         logp, entropy, grad = _policy_grad(x, inplace)
         with torch.no_grad():
             out = policy_output(logp, entropy, x)
-        # inplace on base[:, a:b] (the README's lm_head output sliced to the completion): the
-        # base's storage is the gradient; no (B, S, V) buffer in the slice's backward
-        rows = ops.sliced_rows(logits) if inplace and grad.data_ptr() == logits.data_ptr() else None
-        if rows is not None and not _compiling():
-            out.loss = ops.attach_grad_to_base(out.loss, *rows)
+        if inplace and not _compiling():  # a slice base[:, a:b]: the base's storage is handed on
+            out.loss = ops.attach_inplace_grad(out.loss, logits, x.logits, grad)
         else:
             out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:

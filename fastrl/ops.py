@@ -457,11 +457,14 @@ class _AttachBaseGrad(torch.autograd.Function):
     (`base[:, a:b]`, an lm_head output sliced to the completion) and `policy_loss(inplace=True)`
     wrote their gradient over them: the backward hands on the base's own storage, the rows
     outside a:b zeroed there, scaled by dL_total/dloss. Attached to the view instead, autograd's
-    slice backward would allocate a zero (B, S, V) tensor and copy the gradient into it."""
+    slice backward would allocate a zero (B, S, V) tensor and copy the gradient into it.
+    `ctx.shared` (set when another inplace loss writes into the same base: its rows must not be
+    zeroed, nor handed on twice): a zero (B, S, V) gradient with rows a:b copied in, as the
+    slice backward would."""
 
     @staticmethod
     def forward(ctx, loss, base, a, b):
-        ctx.grad, ctx.rows, ctx.done = base.detach(), (a, b), False  # the storage, no copy
+        ctx.grad, ctx.rows, ctx.done, ctx.shared = base.detach(), (a, b), False, False
         return loss.detach().clone()
 
     @staticmethod
@@ -475,8 +478,13 @@ class _AttachBaseGrad(torch.autograd.Function):
         ctx.done = True
         grad, (a, b) = ctx.grad, ctx.rows
         with torch.no_grad():
-            grad[:, :a].zero_()  # the prompt rows (and any after b): no gradient
-            grad[:, b:].zero_()
+            if ctx.shared:
+                full = torch.zeros_like(grad)
+                full[:, a:b] = grad[:, a:b]
+                grad = full
+            else:
+                grad[:, :a].zero_()  # the prompt rows (and any after b): no gradient
+                grad[:, b:].zero_()
         scale_grad_(grad, grad_loss)
         return None, grad, None, None
 
@@ -497,10 +505,28 @@ def sliced_rows(view: Tensor) -> tuple[Tensor, int, int] | None:
     return base, a, a + T
 
 
-def attach_grad_to_base(loss: Tensor, base: Tensor, a: int, b: int) -> Tensor:
-    """`loss` as a differentiable function of `base` whose rows a:b already hold its gradient
-    (written in place) and whose other rows get 0: see _AttachBaseGrad."""
-    return _AttachBaseGrad.apply(loss, base, a, b)
+def attach_inplace_grad(loss: Tensor, logits: Tensor, node: Tensor, grad: Tensor) -> Tensor:
+    """`loss` as a differentiable function of the logits whose storage `grad` (written in place
+    by policy_loss(inplace=True)) holds its gradient: of their base when `logits` is a slice
+    base[:, a:b] (`sliced_rows`; the base's storage handed on whole, see _AttachBaseGrad) and
+    no other inplace loss has written into that base; else of `node` (the logits as the graph
+    has them) with `grad`, as `attach_grads`. Each base records the inplace losses on it
+    (`_fastrl_inplace`): a second one turns the first's backward to the copying form."""
+    base = logits._base
+    earlier = None if base is None else getattr(base, "_fastrl_inplace", None)
+    rows = sliced_rows(logits) if grad.data_ptr() == logits.data_ptr() else None
+    if rows is not None and earlier is None:
+        out = _AttachBaseGrad.apply(loss, *rows)
+        base._fastrl_inplace = [out.grad_fn]
+        return out
+    if earlier is not None:
+        for node_ in earlier:  # their rows a:b only: this loss's gradient lives in the base too
+            if isinstance(node_, _AttachBaseGrad._backward_cls):
+                node_.shared = True
+        earlier.append(None)
+    elif base is not None:
+        base._fastrl_inplace = [None]
+    return attach_grads(loss, [node], [grad])
 
 
 def attach_grads(loss: Tensor, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:

@@ -135,26 +135,35 @@ def test_a_forked_child_gets_a_pool_of_its_own(monkeypatch):
     assert os.waitstatus_to_exitcode(status) == 0  # -14: hung until its alarm
 
 
-def test_nothing_runs_on_after_a_chunk_fails(monkeypatch):
+@pytest.mark.parametrize("fails_on", ["first", "second"])
+def test_nothing_runs_on_after_a_chunk_fails(monkeypatch, fails_on):
     """When a chunk raises, no new chunk starts and the chunks in progress end before the call
     raises: once it has raised, nothing it started writes into the caller's memory (the other
-    workers used to run the remaining chunks in the background)."""
+    workers used to run the remaining chunks in the background). The failing chunk runs on the
+    thread that took chunk 0 ("first") or on the other one (the caller waits on the futures in
+    order: a stop set only after the first future's result let the other drain the queue)."""
+    import threading
     import time
 
     monkeypatch.setenv("FASTRL_CPU_THREADS", "2")
-    done = []
+    done, first, lock = [], [], threading.Lock()
 
     def body(r0, r1, work):
-        if r0 == 2:
-            raise RuntimeError("chunk 2 failed")
+        me = threading.current_thread().name
+        with lock:
+            if r0 == 0:
+                first.append(me)
+            fail = r0 >= 2 and first and (me == first[0]) == (fails_on == "first")
+        if fail:
+            raise RuntimeError("a chunk failed")
         time.sleep(0.005)
         done.append(r0)
 
-    with pytest.raises(RuntimeError, match="chunk 2 failed"):
+    with pytest.raises(RuntimeError, match="a chunk failed"):
         chunked.run_chunks(100, 1, torch.device("cpu"), body)
     ran = len(done)
     time.sleep(0.1)
-    assert len(done) == ran < 20  # nothing after the raise; the other 97 chunks never started
+    assert len(done) == ran < 20  # nothing after the raise; the rest never started
 
 
 def test_a_warm_pool_leaves_the_thread_count_alone(monkeypatch):
@@ -168,6 +177,33 @@ def test_a_warm_pool_leaves_the_thread_count_alone(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n) or real(n))
     fastrl.logprobs(logits, tokens)
     assert seen == [torch.get_num_threads()]
+
+
+def test_pool_threads_stay_single_threaded(monkeypatch):
+    """A pool thread's torch ops run on one thread even when its first parallel op comes in a
+    later call (after the caller restored its own count): torch's per-thread lazy init would
+    otherwise re-read the process's count then, and bring back the intra-op barriers."""
+    import threading
+    import time
+
+    monkeypatch.setenv("FASTRL_CPU_THREADS", "2")
+    monkeypatch.setattr(chunked, "_POOL", None)  # new pool threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # call 1: no parallel op in the chunks; call 2: what each pool thread runs with
+        chunked.run_chunks(4, 1, torch.device("cpu"), lambda r0, r1, w: time.sleep(0.01))
+        seen, lock = {}, threading.Lock()
+
+        def body(r0, r1, work):
+            torch.randn(4096).sum()  # through at::parallel_for: the lazy init
+            with lock:
+                seen[threading.current_thread().name] = torch.get_num_threads()
+            time.sleep(0.01)
+
+        chunked.run_chunks(4, 1, torch.device("cpu"), body)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen.values()) == {1}, seen
 
 
 @pytest.mark.parametrize("value", ["auto", "2.0", "0", "-1"])

@@ -271,6 +271,53 @@ def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("second_inplace", [True, False])
+def test_inplace_on_two_slices_of_one_output(second_inplace):
+    """Two losses on two slices of one lm_head output (a completion split in two), the first
+    with inplace=True: the second's gradient is not zeroed by the first's backward nor handed
+    on twice (an inplace second slice turns the first to the copying backward). The first
+    version of the zero-copy base gradient zeroed the other slice: dW off by its whole size."""
+    g = torch.Generator().manual_seed(1)
+    B, S, H, V = 2, 12, 4, 30
+    hidden, weight = torch.randn(B, S, H, generator=g), torch.randn(V, H, generator=g)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    adv = torch.randn(B, generator=g)
+    grads = {}
+    for inplace in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        base = h @ w.T
+        parts = [(slice(1, 6), inplace), (slice(6, 11), inplace and second_inplace)]
+        loss = sum(
+            fastrl.policy_loss(base[:, sl], tokens[:, sl], adv, config="dapo", inplace=ip).loss
+            for sl, ip in parts
+        )
+        loss.backward()
+        grads[inplace] = (h.grad, w.grad)
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_inplace_on_a_slice_compiles():
+    """torch.compile(fullgraph=True) of a step with policy_loss(inplace=True) on a slice of the
+    lm_head output: the compiled graph takes the slice's own path (the zero-copy base gradient
+    read the view's storage offset, which Dynamo cannot trace); gradients equal eager's."""
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 7, 4, generator=g), torch.randn(20, 4, generator=g)
+    tokens, adv = torch.randint(0, 20, (2, 5), generator=g), torch.randn(2, generator=g)
+
+    def step(h, w):
+        logits = (h @ w.T)[:, 1:-1]
+        return fastrl.policy_loss(logits, tokens, adv, config="dapo", inplace=True).loss
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        fn(h, w).backward()
+        results.append((h.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------- 4. counts and masks
 @pytest.mark.parametrize("bad", [0.0, -6.0, float("nan"), float("inf")])
 def test_tensor_counts_never_give_a_finite_wrong_loss(bad):
