@@ -134,7 +134,7 @@ def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: 
     propagate."""
     starts = list(range(0, N, step))
     threads = min(_threads(device), len(starts))
-    if threads <= 1:
+    if threads <= 1 or getattr(_SINGLE, "done", False):  # (a call from a chunk runs inline)
         work = make_work()
         for r0 in starts:
             body(r0, min(N, r0 + step), work)

@@ -118,7 +118,8 @@ def policy_loss(
     and the same rules then hold for the whole base (its other rows read 0 after backward).
     The loss is then a function of the base, not of the slice: `torch.autograd.grad(loss,
     logits)` or `logits.retain_grad()` need inplace=False. A second inplace loss on another
-    slice of the same base turns the first to autograd's copying form (gradients exact);
+    slice of the same base turns the first to autograd's copying form (gradients exact); a
+    third raises autograd's "modified by an inplace operation" (use inplace=False for it);
     under torch.compile the slice's own path is taken.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
 

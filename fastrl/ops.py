@@ -486,6 +486,7 @@ class _AttachBaseGrad(torch.autograd.Function):
                 grad[:, :a].zero_()  # the prompt rows (and any after b): no gradient
                 grad[:, b:].zero_()
         scale_grad_(grad, grad_loss)
+        ctx.grad = None  # a kept loss must not keep the (B, S, V) storage alive
         return None, grad, None, None
 
 

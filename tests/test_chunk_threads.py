@@ -206,6 +206,23 @@ def test_pool_threads_stay_single_threaded(monkeypatch):
     assert seen and set(seen.values()) == {1}, seen
 
 
+def test_a_call_from_inside_a_chunk_runs_inline(monkeypatch):
+    """run_chunks called from a chunk (a pool thread) runs its chunks in that thread: queued
+    behind the workers that wait for it, they would never run."""
+    import threading
+
+    monkeypatch.setenv("FASTRL_CPU_THREADS", "2")
+    inner = []
+
+    def outer(r0, r1, work):
+        chunked.run_chunks(4, 1, torch.device("cpu"), lambda a, b, w: inner.append(a))
+
+    t = threading.Thread(target=chunked.run_chunks, args=(4, 1, torch.device("cpu"), outer))
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and sorted(inner) == sorted([0, 1, 2, 3] * 4)
+
+
 @pytest.mark.parametrize("value", ["auto", "2.0", "0", "-1"])
 def test_bad_thread_count_is_named(monkeypatch, value):
     monkeypatch.setenv("FASTRL_CPU_THREADS", value)

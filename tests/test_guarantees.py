@@ -266,6 +266,7 @@ def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl):
             (2.0 * out.loss).backward()
         if inplace:
             assert mode.big == [], mode.big  # no (B, T, V) or (B, S, V) buffer in the backward
+            assert out.loss.grad_fn.grad is None  # a kept loss keeps no (B, S, V) storage
         grads[inplace] = (h.grad, w.grad)
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
