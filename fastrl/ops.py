@@ -422,6 +422,19 @@ def _(grad, scale):
     return None
 
 
+def _backward_once(ctx) -> None:
+    """The checks at the start of a fused loss's backward: no double backward, and one backward
+    per forward (a second would scale the gradient computed in the forward again)."""
+    refuse_double_backward("policy_loss")
+    if not torch.compiler.is_compiling():
+        if ctx.done:
+            raise RuntimeError(
+                "fastrl: backward through this fused loss ran twice (retain_graph=True): its "
+                "gradient is computed once in the forward; compute the loss again instead"
+            )
+        ctx.done = True
+
+
 class _AttachGrads(torch.autograd.Function):
     """loss (0-dim, computed without autograd) made differentiable w.r.t. `inputs`, whose
     gradients were computed in the forward: backward scales them by dL_total/dloss in place
@@ -438,14 +451,7 @@ class _AttachGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        refuse_double_backward("policy_loss")
-        if not torch.compiler.is_compiling():
-            if ctx.done:
-                raise RuntimeError(
-                    "fastrl: backward through this fused loss ran twice (retain_graph=True): its "
-                    "gradient is computed once in the forward; compute the loss again instead"
-                )
-            ctx.done = True
+        _backward_once(ctx)
         grads = ctx.saved_tensors
         for grad in grads:
             scale_grad_(grad, grad_loss)
@@ -469,13 +475,7 @@ class _AttachBaseGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        refuse_double_backward("policy_loss")
-        if ctx.done:
-            raise RuntimeError(
-                "fastrl: backward through this fused loss ran twice (retain_graph=True): its "
-                "gradient is computed once in the forward; compute the loss again instead"
-            )
-        ctx.done = True
+        _backward_once(ctx)
         grad, (a, b) = ctx.grad, ctx.rows
         with torch.no_grad():
             if ctx.shared:
