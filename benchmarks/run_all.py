@@ -18,7 +18,7 @@ that pytest-gpu cut short still writes the counts it has); its stdout + stderr g
                   test skips, and the summary says so
   compile-check   python -m fastrl.kernels.compile_check --json (<out>/compile_check.json): every
                   Triton kernel compiled for sm_80 / sm_90a at every launch configuration
-  policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 32000 and 151936,
+  policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 151936 then 32000,
                   bf16
   rows-in-flight  bench_rows_in_flight.py: the one-pass kernel's grid swept
                   (FASTRL_ROWS_IN_FLIGHT = auto, 0, 66, 132, 264) and the two-kernel path, CUDA
@@ -223,7 +223,7 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             "bench_policy_loss.py",
             no_trl and f"its baseline trl-eager needs trl ({no_trl})",
             fp32,
-            ["--shapes", "128x128x32000,128x128x151936", "--dtype", "bf16", *do_bench],
+            ["--shapes", "128x128x151936,128x128x32000", "--dtype", "bf16", *do_bench],
             no_liger + no_verl,
         )
     )
