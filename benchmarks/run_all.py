@@ -20,6 +20,10 @@ that pytest-gpu cut short still writes the counts it has); its stdout + stderr g
                   Triton kernel compiled for sm_80 / sm_90a at every launch configuration
   policy-loss     bench_policy_loss.py: CUDA N = 16384 (B = 128, T = 128) at V = 151936 then 32000,
                   bf16
+  kernel-configs  bench_kernel_configs.py (CUDA only): the logits kernels' launch configurations
+                  (BLOCK_V, warps, stages, grid, fp fusion) timed through their launchers at
+                  N = 16384, V = 151936 and 32000, bf16, the HBM copy floor beside them, and a
+                  profile of fastrl.policy_loss and fastrl.sample (host vs device time)
   rows-in-flight  bench_rows_in_flight.py: the one-pass kernel's grid swept
                   (FASTRL_ROWS_IN_FLIGHT = auto, 0, 66, 132, 264) and the two-kernel path, CUDA
                   N = 16384 at V = 151936 and N = 8192 at V = 262144, bf16 (--quick: the CPU
@@ -99,6 +103,7 @@ STAGES = (
     "pytest-gpu",
     "compile-check",
     "policy-loss",
+    "kernel-configs",
     "rows-in-flight",
     "fused-linear",
     "packed",
@@ -115,6 +120,7 @@ TIMEOUTS = {
     "pytest-gpu": (420, 300),
     "compile-check": (600, 600),
     "policy-loss": (480, 240),
+    "kernel-configs": (300, 60),
     "rows-in-flight": (360, 240),
     "fused-linear": (420, 240),  # CUDA: + 60 s for the chunk-size sweep
     "packed": (600, 180),
@@ -227,6 +233,12 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             no_liger + no_verl,
         )
     )
+    s = Stage("kernel-configs", results=[f"bench_kernel_configs_{dev}"])
+    if not cuda:
+        s.why_skipped = "CUDA only (the kernels' launch configurations timed on the device)"
+    else:
+        s.cmd = [PY, str(BENCH / "bench_kernel_configs.py"), "--out", str(out)]
+    stages.append(s)
     stages.append(
         bench(
             "rows-in-flight",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import LossConfig, _is_finite32, _is_int, resolve_config
+from .config import TAU_MIN, LossConfig, _is_finite32, _is_int, resolve_config
 from .packing import Packing, make_packing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,7 +114,8 @@ def packed_per_sequence(name: str, t: Tensor, packing: Packing | None, N: int) -
 
 
 def check_temperature(temperature: float) -> float:
-    return check_number("temperature", temperature, "a float > 0", lambda t: t > 0)
+    expected = f"a float >= {TAU_MIN:.3g} (1 / temperature finite in fp32)"
+    return check_number("temperature", temperature, expected, lambda t: t >= TAU_MIN)
 
 
 def check_temperature_rows(
@@ -124,8 +125,9 @@ def check_temperature_rows(
     sequence or as one value): the shape of the tokens ((B, T), or (N,) for flat inputs), (B,)
     one per sequence (broadcast over T), (S,) one per packed sequence with `packing`, or () one
     for all. A float dtype, on the logits' device or the CPU (then moved). The values (finite,
-    > 0) are checked on CPU tensors outside torch.compile only (elsewhere a host sync / a graph
-    break): a ValueError naming `temperature`, its shape and the expected shapes otherwise."""
+    >= config.TAU_MIN) are checked on CPU tensors outside torch.compile only (elsewhere a host
+    sync / a graph break): a ValueError naming `temperature`, its shape and the expected shapes
+    otherwise."""
     shapes = [(), (T,), (1, T)] if flat else [(), (B,), (B, T)]
     expected = "() (one for all), (N,) = " if flat else "() (one for all), (B,) = "
     expected += (
@@ -147,11 +149,12 @@ def check_temperature_rows(
         )
     t = temperature.detach()
     if t.device.type == "cpu" and not torch.compiler.is_compiling() and t.numel() > 0:
-        bad = ~torch.isfinite(t) | (t <= 0)
+        bad = ~torch.isfinite(t) | (t < TAU_MIN)
         if bool(bad.any()):
             first = t.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
             raise ValueError(
-                f"temperature must hold finite values > 0; the tensor of shape {tuple(t.shape)} "
+                f"temperature must hold finite values >= {TAU_MIN:.3g} (1 / temperature finite "
+                f"in fp32); the tensor of shape {tuple(t.shape)} "
                 f"holds {int(bad.sum())} that are not (e.g. {first})"
             )
     t = t.to(device=device, dtype=torch.float32)

@@ -16,7 +16,8 @@ Registered ops (namespace "fastrl"; fake implementations included, so torch.comp
       temperature_rows=None) -> (logp, entropy, lse), fp32 (N,) each; 0 where mask == 0
   fastrl::linear_token_stats_backward(..., logp, lse, entropy, g, h, ..., temperature_rows=None)
       -> (dX, dW, db or (0,))
-  fastrl::linear_policy_grad(hidden, weight, bias, <ops.POLICY_ARGS_SCHEMA>, s, c, chunk)
+  fastrl::linear_policy_grad(hidden, weight, bias, <ops.POLICY_ARGS_SCHEMA>, s, c, chunk,
+      all_rows)
       -> (logp, entropy, dX, dW, db or (0,)): the policy loss's gradient in its forward
 
 The plain functions `local_stats` and `local_grads` are the same loops over a given set of rows;
@@ -394,7 +395,7 @@ linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
 torch.library.define(
     "fastrl::linear_policy_grad",
     f"(Tensor hidden, Tensor weight, Tensor? bias, {ops.POLICY_ARGS_SCHEMA}, float logit_scale, "
-    "float? softcap, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "float? softcap, int chunk, bool all_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
@@ -402,15 +403,16 @@ torch.library.define(
 def _linear_policy_grad(hidden, weight, bias, *args):
     """(logp, entropy) fp32 (B, T) and the gradients (hidden (N, H), weight, bias or (0,)) of
     the policy loss of SPEC 1-5 on z = softcap(s (hidden W^T + b)), all in the forward.
-    `args`: the per-token inputs (ops.POLICY_ARGS_SCHEMA, (B, T)), then logit_scale, softcap and
-    chunk; hidden's rows flatten to N = B T."""
-    x = ops.policy_inputs_from_op(None, args[:-3])
-    logit_scale, softcap, chunk = args[-3:]
+    `args`: the per-token inputs (ops.POLICY_ARGS_SCHEMA, (B, T)), then logit_scale, softcap,
+    chunk and all_rows (the caller gave no mask: every row counts, and finding the counted rows
+    needs no host sync); hidden's rows flatten to N = B T."""
+    x = ops.policy_inputs_from_op(None, args[:-4])
+    logit_scale, softcap, chunk, all_rows = args[-4:]
     tokens, mask = x.tokens, x.mask
     tau = x.temperature  # the float, or the (B, T) per-row tensor
     B, T = tokens.shape
     N = B * T
-    active = _active_rows(mask, N, hidden.device)
+    active = _active_rows(None if all_rows else mask, N, hidden.device)
     if not is_token_separable(x.config):  # statistics of every row first (four GEMMs per chunk)
         y = tokens.reshape(-1)
         local = local_stats(hidden, weight, bias, y, active, tau, logit_scale, softcap, chunk)

@@ -229,12 +229,23 @@ def _is_one(tau) -> bool:
     return isinstance(tau, float) and tau == 1.0
 
 
+def inv_tau(tau):
+    """1 / tau, what the torch path multiplies by to form z' = z * (1 / tau): the float's
+    reciprocal, or (R, 1) fp32 reciprocals of a column of per-row temperatures. A multiply, not a
+    division, on every device and for both kinds, as the Triton kernels do: CUDA computes
+    x / float as x * (1 / float), so a division gave a float and a constant tensor of the same
+    temperature different last bits on the GPU (true division there for the tensor)."""
+    return 1.0 / tau if isinstance(tau, float) else torch.reciprocal(tau)
+
+
 def _scaled(rows: Tensor, temperature) -> Tensor:
-    """z' = z / tau as fp32 (R, V) (tau a float or an (R, 1) column of per-row temperatures); no
-    copy for fp32 rows at tau = 1 (x / 1.0 == x exactly)."""
+    """z' = z * (1 / tau) as fp32 (R, V) (tau a float or an (R, 1) column of per-row
+    temperatures: `inv_tau`); no copy for fp32 rows at tau = 1."""
     if _is_one(temperature) and rows.dtype == torch.float32:
         return rows
-    return rows.float() / temperature
+    if _is_one(temperature):
+        return rows.float()
+    return rows.float() * inv_tau(temperature)
 
 
 def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out):
@@ -265,7 +276,7 @@ def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out):
             b = min(r1 - r0, a + work.S)
             u = work.u(b - a).copy_(rows[a:b])  # (before e, which may be these very rows)
             if not _is_one(tau):
-                u.div_(_sub_tau(tau, a, b))
+                u.mul_(inv_tau(_sub_tau(tau, a, b)))
             torch.exp(u.sub_(lse[r0 + a : r0 + b, None]), out=e[a:b])
         stats = [None if t is None else t[r0:r1] for t in (entropy, log_s, g, h)]
         _chunk_finish_(e, y, logp_all[r0:r1], *stats, tau, work, view)
@@ -356,9 +367,9 @@ def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
         else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
             u.copy_(x).sub_(m)
         if not _is_one(temperature):  # (z - max z) / tau = z' - max z' (tau > 0, per row)
-            tau = _sub_tau(temperature, a, b)  # float or (S, 1)
-            u.div_(tau)
-            m = m / tau
+            inv = inv_tau(_sub_tau(temperature, a, b))  # float or (S, 1)
+            u.mul_(inv)
+            m = m * inv
         e = torch.exp(u, out=work.es(b - a) if e_out is None else e_out[a:b])
         y_ok = (yb >= 0) & (yb < V)
         u_y = u.gather(1, torch.where(y_ok, yb, 0)[:, None]).squeeze(1)

@@ -33,6 +33,9 @@ KL_BIAS_RATIOS = ("token", "sequence")
 
 
 FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+# The smallest temperature taken, everywhere (losses, log-probs, the sampler): the kernels and the
+# torch path form z' = z * (1 / tau) in fp32, so 1 / tau must be finite there (2.94e-39).
+TAU_MIN = 1.0 / FP32_MAX
 
 
 class LossConfigError(ValueError):
@@ -209,7 +212,11 @@ class LossConfig:
         )
         real("kl_coef", "a finite number >= 0", lambda v: v >= 0.0)
         real("entropy_coef", "a finite number >= 0", lambda v: v >= 0.0)
-        real("temperature", "a finite number > 0", lambda v: v > 0.0)
+        real(
+            "temperature",
+            f"a finite number >= {TAU_MIN:.3g} (1 / temperature finite in fp32)",
+            lambda v: v >= TAU_MIN,
+        )
         real("num_tokens", "None or a finite number > 0", lambda v: v > 0, optional=True)
         real("num_seqs", "None or a finite number > 0", lambda v: v > 0, optional=True)
         if self.max_len is not None and (not _is_int(self.max_len) or self.max_len < 1):

@@ -318,7 +318,7 @@ def fused_linear_policy_loss(
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
     with autocast_off:
         out, grads = _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk,
-                                            wants_grad)  # fmt: skip
+                                            wants_grad, all_rows=mask is None)  # fmt: skip
     return _attach(out, params, grads, wants_grad)
 
 
@@ -330,19 +330,22 @@ def _attach(out: PolicyLossOutput, params, grads, wants_grad) -> PolicyLossOutpu
     return out
 
 
-def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wants_grad):
+def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wants_grad,
+                           all_rows):  # fmt: skip
     """The PolicyLossOutput (loss detached) and, with `wants_grad`, the gradients of
-    (hidden, weight[, bias]) computed in the forward."""
+    (hidden, weight[, bias]) computed in the forward. `all_rows`: no mask was given, so every
+    row counts (the ops then take all rows without reading the mask: no host sync)."""
     if wants_grad:
         logp, entropy, dh, dw, db = linear_policy_grad(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), *args,
-            scale, cap, chunk,
+            scale, cap, chunk, all_rows,
         )  # fmt: skip
     else:
         flat_tokens = x.tokens.reshape(-1)
         tau_rows = None if x.temperature_rows is None else x.temperature_rows.reshape(-1)
         logp, entropy, _ = linear_token_stats(
-            hidden, weight, bias, flat_tokens, x.mask.reshape(-1), x.config.temperature, scale,
+            hidden, weight, bias, flat_tokens, None if all_rows else x.mask.reshape(-1),
+            x.config.temperature, scale,
             cap, chunk, tau_rows, ops.SOURCE_KEY,
         )  # fmt: skip
         logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)

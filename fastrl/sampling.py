@@ -41,16 +41,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import chunked
 from ._inputs import check_int, check_number
-from .config import FP32_MAX
+from .config import FP32_MAX, TAU_MIN
 from .ops import backend_for
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
 _FLT_LOWEST = -FP32_MAX  # the lowest finite fp32
-# The smallest temperature taken: the kernel multiplies by 1 / τ in fp32, which must be finite.
-_TAU_MIN = 1.0 / FP32_MAX  # 2.94e-39
+_TAU_MIN = TAU_MIN  # the smallest temperature taken (config.TAU_MIN: 1 / τ finite in fp32)
 
 
 def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None, float | None]:
@@ -114,7 +114,8 @@ def _scaled(z: Tensor, tau: float | Tensor) -> tuple[Tensor, Tensor]:
     rounding is monotone, so max(z / τ) = max(z) / τ exactly)."""
     m = z.amax(-1, keepdim=True)
     finite = torch.isfinite(m)
-    return (z - torch.where(finite, m, 0.0)).div_(tau), torch.where(finite, 0.0, m).div_(tau)
+    inv = chunked.inv_tau(tau)  # a multiply, as the kernels (chunked.inv_tau)
+    return (z - torch.where(finite, m, 0.0)).mul_(inv), torch.where(finite, 0.0, m).mul_(inv)
 
 
 def _row_tau(temperature: Tensor, N: int, device) -> Tensor:
@@ -177,6 +178,16 @@ def truncate_logits(
     return z.masked_fill(~keep_unsorted, neg_inf)
 
 
+def _generator_on(generator, device):
+    """`generator` where it is on `device` (or None), else a generator on `device` seeded by one
+    draw from it: a CPU generator then drives sampling on a CUDA device on this path too, as on
+    the Triton path (_draw_seed); torch.rand refuses a generator of another device."""
+    if generator is None or generator.device == torch.device(device):
+        return generator
+    seed = torch.randint(0, 2**62, (), generator=generator, device=generator.device)
+    return torch.Generator(device=device).manual_seed(int(seed))  # (a CPU draw: no device sync)
+
+
 def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, generator):
     """PyTorch path, rows in chunks (bounded fp32 temporaries, truncation included); temperature
     a float or an fp32 (N,) tensor of per-row temperatures (each chunk divides by its (n, 1)).
@@ -187,6 +198,7 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
     cancellation); a NaN logit makes m, hence logp and H, NaN."""
     N, V = logits.shape
     dev = logits.device
+    generator = _generator_on(generator, dev)
     tokens = torch.empty(N, dtype=torch.int64, device=dev)
     logp = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)

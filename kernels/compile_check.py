@@ -179,7 +179,7 @@ def _key(cfg) -> str:
     stands for the others."""
     signature, _, _ = specialization(cfg)
     pointers = {k: v for k, v in signature.items() if v.startswith("*")}
-    return json.dumps([cfg.name, cfg.constexprs, cfg.num_warps, pointers], default=str)
+    return json.dumps([cfg.name, cfg.constexprs, cfg.num_warps, cfg.options, pointers], default=str)
 
 
 _PTXAS = {
@@ -197,6 +197,9 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fastrl" / "compile_check"
 
 
+_ROW_FORMAT = 2  # the fields a kept result holds (2: ptx_fma): a change recompiles everything
+
+
 def _result_key(cfg, arch: int, spec) -> str:
     """Everything the compiled binary depends on: triton's version and cache-invalidating
     environment, the kernel's source and the sources of the jit functions it calls (triton's
@@ -207,11 +210,13 @@ def _result_key(cfg, arch: int, spec) -> str:
     signature, constexprs, attrs = spec
     text = json.dumps(
         [
+            _ROW_FORMAT,
             triton.__version__,
             get_cache_invalidating_env_vars(),
             cfg.kernel.cache_key,
             arch,
             cfg.num_warps,
+            cfg.options,
             signature,
             sorted(constexprs.items()),
             sorted(attrs.items()),
@@ -242,6 +247,7 @@ def compile_one(cfg, arch: int, cache_dir: Path | None = None) -> dict:
         "arch": gpu,
         "constexprs": dict(cfg.constexprs),
         "num_warps": cfg.num_warps,
+        "options": dict(cfg.options),
         "signature": {k: v for k, v in signature.items() if v != "constexpr"},
         "specialized": {k: v for k, v in constexprs.items() if k not in dict(cfg.constexprs)},
         "shared_limit": shared_limit,
@@ -254,7 +260,9 @@ def compile_one(cfg, arch: int, cache_dir: Path | None = None) -> dict:
         src = triton.compiler.ASTSource(cfg.kernel, signature, constexprs, attrs)
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(
-                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.num_warps}
+                src,
+                target=GPUTarget("cuda", arch, 32),
+                options={"num_warps": cfg.num_warps, **dict(cfg.options)},
             )
     except Exception as e:  # noqa: BLE001 - reported per config, the run goes on
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
@@ -265,6 +273,9 @@ def compile_one(cfg, arch: int, cache_dir: Path | None = None) -> dict:
         match = pattern.search(text)
         row[field] = int(match.group(1)) if match else None
     row["shared"] = int(compiled.metadata.shared)
+    # fused multiply-adds in the PTX: 0 under launch.EXACT_PRODUCTS (no contraction; ptxas
+    # does not fuse the .rn-rounded mul / add the compiler then emits)
+    row["ptx_fma"] = compiled.asm["ptx"].count("fma.rn.f32")
     problems = []
     if row["registers"] is None:
         problems.append("no ptxas report captured")
@@ -272,6 +283,8 @@ def compile_one(cfg, arch: int, cache_dir: Path | None = None) -> dict:
         problems.append(f"spills {row['spill_stores']} B stored / {row['spill_loads']} B loaded")
     if row["shared"] > shared_limit:
         problems.append(f"shared memory {row['shared']} B > {shared_limit} B")
+    if not dict(cfg.options).get("enable_fp_fusion", True) and row["ptx_fma"]:
+        problems.append(f"{row['ptx_fma']} fused multiply-adds although fp fusion is off")
     row.update(ok=not problems, error="; ".join(problems) or None)
     if path is not None and row["registers"] is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchConfig, Ptr, config, next_power_of_2
+from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def gae_scan_configs(
     }  # fmt: skip
     strides = {f"stride_{t}{d}": T if d == "b" else 1 for t in "rvma" for d in "bt"}
     args = {**ptrs, "T": T, **strides, "gamma": 1.0, "lam": 1.0}
-    return (config(_gae_fwd_kernel, (B,), 4, args, BLOCK_T=block),)
+    return (config(_gae_fwd_kernel, (B,), 4, args, BLOCK_T=block, options=EXACT_PRODUCTS),)
 
 
 def gae_scan(

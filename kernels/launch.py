@@ -29,20 +29,22 @@ class Ptr(NamedTuple):
 
 
 class LaunchConfig(NamedTuple):
-    """One kernel launch: `kernel[grid](*args, **constexprs, num_warps=num_warps)`.
+    """One kernel launch: `kernel[grid](*args, **constexprs, num_warps=num_warps, **options)`.
 
     kernel: the @triton.jit entry (a JITFunction; an InterpretedFunction under TRITON_INTERPRET);
     grid: the launch grid for the shape the config was made for;
     constexprs: ((name, value), ...) the tl.constexpr arguments;
     num_warps: warps per program;
     args: ((name, example), ...) every other argument in the kernel's order, with a `Ptr`, int
-    or float example (what `compile_check` specializes and compiles it with)."""
+    or float example (what `compile_check` specializes and compiles it with);
+    options: ((name, value), ...) other compile options of the launch (e.g. EXACT_PRODUCTS)."""
 
     kernel: Any
     grid: tuple[int, ...]
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
     args: tuple[tuple[str, Any], ...]
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
@@ -59,7 +61,9 @@ class LaunchConfig(NamedTuple):
     def __call__(self, *args) -> None:
         """Launch on the real arguments (positional, in the kernel's order, constexprs left
         out)."""
-        self.kernel[self.grid](*args, **dict(self.constexprs), num_warps=self.num_warps)
+        self.kernel[self.grid](
+            *args, **dict(self.constexprs), num_warps=self.num_warps, **dict(self.options)
+        )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -72,8 +76,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def config(kernel, grid, num_warps: int, args: dict, **constexprs) -> LaunchConfig:
-    """A LaunchConfig from keyword constexprs and a dict of example arguments."""
+# Compile options of the kernels that read logits: no contraction of a product and a sum into
+# one fused multiply-add. z' = z * (1 / tau) is formed, rounded, then has the row max m' (itself
+# such a rounded product) subtracted: fused, fma(z, 1 / tau, -m') is the exact product minus
+# the rounded one, about eps |z'| away from the 0 it should be at the row's maximum, and
+# exp(z' - m') there is exp(+1e23) = inf at tau = 1e-30 (seen on an H200: an inf gradient that
+# the interpreter, which rounds every operation, never shows). Without contraction the GPU
+# computes what the interpreter and the torch path compute, operation by operation. Every
+# fastrl kernel takes it (also the ones without such a difference: one rule, and triton 3.9
+# warns that its default turns to this in 3.10).
+EXACT_PRODUCTS = (("enable_fp_fusion", False),)
+
+
+def config(kernel, grid, num_warps: int, args: dict, *, options=(), **constexprs) -> LaunchConfig:
+    """A LaunchConfig from keyword constexprs, a dict of example arguments and `options`
+    ((name, value) pairs of compile options, e.g. EXACT_PRODUCTS)."""
     return LaunchConfig(
-        kernel, tuple(grid), tuple(constexprs.items()), int(num_warps), tuple(args.items())
-    )
+        kernel, tuple(grid), tuple(constexprs.items()), int(num_warps), tuple(args.items()),
+        tuple(options),
+    )  # fmt: skip

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchConfig, Ptr, config, next_power_of_2
+from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
 from .scale import _scale_grad_kernel, scale_, scale_configs  # noqa: F401 (backend interface)
 from .softmax import (
     _SPLIT_SM_COUNT,
@@ -558,7 +558,13 @@ def _row_stats_configs(
         args = {**logits, **tokens, **stats, **shape, **strides, **temp}
         return (
             config(
-                _token_stats_fwd_kernel, (N,), num_warps, args, ROW_TEMP=row_temp, BLOCK_V=block
+                _token_stats_fwd_kernel,
+                (N,),
+                num_warps,
+                args,
+                ROW_TEMP=row_temp,
+                BLOCK_V=block,
+                options=EXACT_PRODUCTS,
             ),
         )
     block, num_warps = _launch_config(min(chunk, block), dtype.itemsize)
@@ -572,11 +578,11 @@ def _row_stats_configs(
     return (
         config(
             _token_stats_split_fwd_kernel, (N, splits), num_warps, split_args, ROW_TEMP=row_temp,
-            BLOCK_V=block,
+            BLOCK_V=block, options=EXACT_PRODUCTS,
         ),
         config(
             _token_stats_merge_fwd_kernel, (N,), warps_s, merge_args, ROW_TEMP=row_temp,
-            BLOCK_S=block_s,
+            BLOCK_S=block_s, options=EXACT_PRODUCTS,
         ),
     )  # fmt: skip
 
@@ -602,7 +608,17 @@ def row_grad_configs(
         "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
     }  # fmt: skip
     flags = {"ROW_TEMP": bool(row_temp), "HAS_GRAD_ENTROPY": bool(has_grad_entropy)}
-    return (config(_token_stats_bwd_kernel, (N,), num_warps, args, **flags, BLOCK_V=block),)
+    return (
+        config(
+            _token_stats_bwd_kernel,
+            (N,),
+            num_warps,
+            args,
+            **flags,
+            BLOCK_V=block,
+            options=EXACT_PRODUCTS,
+        ),
+    )
 
 
 _L2_BYTES = 50 * 2**20  # assumed off CUDA (the interpreter, AOT compiles): H100 SXM / H200
@@ -673,7 +689,17 @@ def _policy_rows_configs(N, V, dtype, has_grad_entropy, tokens_dtype, row_temp, 
         "entropy_coef": 0.01, "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
     }  # fmt: skip
     flags = {"ROW_TEMP": row_temp, "HAS_GRAD_ENTROPY": has_grad_entropy}
-    return (config(_policy_loss_fwd_kernel, (grid,), num_warps, args, **flags, BLOCK_V=block),)
+    return (
+        config(
+            _policy_loss_fwd_kernel,
+            (grid,),
+            num_warps,
+            args,
+            **flags,
+            BLOCK_V=block,
+            options=EXACT_PRODUCTS,
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- launchers

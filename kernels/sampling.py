@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchConfig, Ptr, config, next_power_of_2
+from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
 from .softmax import (
     _SPLIT_SM_COUNT,
     _lse_finish,
@@ -263,7 +263,17 @@ def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[
     if splits == 1:
         args = {**logits, **outs, "V": V, **strides}
         warps = _sample_warps(block_v, dtype)
-        return (config(_sample_fwd_kernel, (N,), warps, args, **flags, BLOCK_V=block_v),)
+        return (
+            config(
+                _sample_fwd_kernel,
+                (N,),
+                warps,
+                args,
+                **flags,
+                BLOCK_V=block_v,
+                options=EXACT_PRODUCTS,
+            ),
+        )
     block_v = min(block_v, max(16, next_power_of_2(chunk)))
     # scratch: fp32 (5, N, splits) for m, s, w, key, z' and int64 (N, splits) for the index
     aligned = (N * splits * 4) % 16 == 0
@@ -274,11 +284,11 @@ def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[
     return (
         config(
             _sample_split_fwd_kernel, (N, splits), _sample_warps(block_v, dtype), split_args,
-            **flags, BLOCK_V=block_v,
+            **flags, BLOCK_V=block_v, options=EXACT_PRODUCTS,
         ),
         config(
             _sample_merge_fwd_kernel, (N,), warps_s, {**parts, **outs, "SPLITS": splits},
-            BLOCK_S=block_s,
+            BLOCK_S=block_s, options=EXACT_PRODUCTS,
         ),
     )  # fmt: skip
 

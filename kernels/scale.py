@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchConfig, Ptr, cdiv, config
+from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, cdiv, config
 
 _F32 = torch.float32
 _SCALE_BLOCK = 4096  # elements of a gradient row per _scale_grad_kernel program
@@ -49,7 +49,7 @@ def scale_configs(
     scaled by a one-element `scale_dtype` tensor."""
     args = {"grad_ptr": Ptr(dtype), "scale_ptr": Ptr(scale_dtype), "C": C, "stride_grad_r": C}
     grid = (R, cdiv(C, _SCALE_BLOCK))
-    return (config(_scale_grad_kernel, grid, 4, args, BLOCK=_SCALE_BLOCK),)
+    return (config(_scale_grad_kernel, grid, 4, args, BLOCK=_SCALE_BLOCK, options=EXACT_PRODUCTS),)
 
 
 def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

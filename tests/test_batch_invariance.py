@@ -25,6 +25,10 @@ def _row_results(logits, tokens, up_lp, up_h):
 @pytest.mark.parametrize("chunk_rows", [None, 3, 16])
 def test_a_row_is_bitwise_the_same_in_any_batch(engine, monkeypatch, chunk_rows):
     device, backend = engine
+    if backend == "torch" and device != "cpu":
+        # torch's CUDA reductions pick their thread layout (so their summation order) from the
+        # tensor's shape: the torch path on a GPU is not batch-invariant (README, guarantees)
+        pytest.skip("the torch path is batch-invariant on the CPU only")
     if chunk_rows is not None:
         if backend != "torch":
             pytest.skip("chunk sizes are the torch path's")

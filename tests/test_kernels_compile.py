@@ -90,6 +90,16 @@ def test_every_config_compiles_without_spills(report):
         assert r["shared"] <= SHARED_LIMITS[r["arch"]] == r["shared_limit"], r
 
 
+def test_every_config_rounds_every_product(report):
+    """No launch contracts a product and a sum into one fused multiply-add
+    (launch.EXACT_PRODUCTS): fused, z' - max z' at a row's maximum is the product's rounding
+    error instead of 0, exp(+1e23) = inf at a temperature of 1e-30 (an H200 run; the
+    interpreter rounds every operation and never showed it)."""
+    for r in report["results"]:
+        assert r["options"] == {"enable_fp_fusion": False}, r
+        assert r["ptx_fma"] == 0, r
+
+
 def test_every_launcher_choice_is_compiled(report):
     """The enumeration reaches every choice the launchers make: both values of each flag, the
     three logits dtypes, every block size, split-V and its merge at 2 to 32 splits."""

@@ -360,7 +360,9 @@ def test_wrong_shape_raises_naming_temperature(shape):
 
 
 @pytest.mark.parametrize(
-    "value", [0.0, -1.0, float("nan"), float("inf")], ids=["zero", "negative", "nan", "inf"]
+    "value",
+    [0.0, -1.0, float("nan"), float("inf"), 1e-39],
+    ids=["zero", "negative", "nan", "inf", "below-tau-min"],
 )
 def test_bad_values_raise_naming_temperature(value):
     logits, tokens, _ = _batch()
@@ -374,6 +376,28 @@ def test_bad_values_raise_naming_temperature(value):
     ):
         with pytest.raises(ValueError, match="temperature"):
             call()
+
+
+def test_a_temperature_whose_reciprocal_overflows_is_refused_everywhere():
+    """Every op forms z' = z * (1 / tau) in fp32: a float temperature below config.TAU_MIN
+    (2.94e-39, where 1 / tau is inf) is refused by name, as the sampler always did; at TAU_MIN
+    itself the gradient is finite."""
+    from fastrl.config import TAU_MIN, LossConfig
+
+    logits, tokens, _ = _batch()
+    hidden, weight = torch.randn(3, 5, 4), torch.randn(logits.shape[-1], 4)
+    for call in (
+        lambda: fastrl.logprobs(logits, tokens, temperature=1e-39),
+        lambda: fastrl.policy_loss(logits, tokens, torch.randn(3), temperature=1e-39),
+        lambda: fastrl.linear_logprobs(hidden, weight, tokens, temperature=1e-39),
+        lambda: fastrl.sample(logits[0], temperature=1e-39),
+        lambda: LossConfig(temperature=1e-39),
+    ):
+        with pytest.raises(ValueError, match="temperature"):
+            call()
+    x = logits.clone().requires_grad_()
+    fastrl.policy_loss(x, tokens, torch.randn(3), temperature=TAU_MIN).loss.backward()
+    assert torch.isfinite(x.grad).all()
 
 
 def test_non_float_temperature_tensor_raises():
