@@ -8,8 +8,10 @@ floor", step 2: does a row's second sweep come from L2, and do P programs still 
 
 For each P of --rows, one child run of bench_policy_loss.py (`--methods fastrl`, the GRPO loss
 forward + backward) with FASTRL_ROWS_IN_FLIGHT=P in its environment: `auto` leaves it unset (the
-launcher's own P = min(SMs, 0.8 L2 / row bytes, N)), 0 runs one program per row, any other P
-that many programs, each looping over rows. Then, on CUDA, one child run of `fastrl-two-kernel`
+launcher's own P: one program per row since an H200 measured the L2-sized grid of the first plan,
+min(SMs, 0.8 L2 / row bytes), slower, benchmarks/bench_kernel_configs.py), 0 runs one program per
+row, any other P that many programs, each looping over rows. Then, on CUDA, one child run of
+`fastrl-two-kernel`
 (FASTRL_ONE_PASS=0: the statistics kernel, O(N) torch, the gradient kernel): the A/B. Each
 child is a fresh process, so every P is timed the same way (bench_policy_loss.py's timing:
 triton.testing.do_bench on CUDA); the Triton cache makes all but the first compile free.
@@ -74,8 +76,8 @@ def programs(rows_in_flight: str, N: int, V: int, dtype: str, device) -> int:
     try:
         if rows_in_flight != "auto":
             os.environ["FASTRL_ROWS_IN_FLIGHT"] = rows_in_flight
-        row_bytes = V * common.DTYPES[dtype].itemsize
-        return k._rows_in_flight(N, row_bytes, k._sm_count(device), k._l2_bytes(device))
+        del V, dtype, device  # the grid depends on N alone since the H200 sweep
+        return k._rows_in_flight(N)
     finally:
         os.environ.pop("FASTRL_ROWS_IN_FLIGHT", None)
         if old is not None:

@@ -321,6 +321,33 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     return _table(intro, [*columns, "peak MB"], cells)
 
 
+def _kernel_configs(data: dict) -> list[str]:
+    """bench_kernel_configs: per vocabulary, the copy floor, the end-to-end calls and the
+    fastest and slowest configuration of each kernel in the table; every row in a folded one."""
+    meta, rows = data["meta"], data["rows"]
+
+    def cells(r):
+        ms = f"{r['ms']:.3f} ({r['ms_q20']:.3f}-{r['ms_q80']:.3f})"
+        return [r["kind"], r["V"], r["config"], ms, _fmt(r["GBs"], 0), _x(r.get("vs_copy"))]
+
+    head = []
+    for V in dict.fromkeys(r["V"] for r in rows):
+        of_v = [r for r in rows if r["V"] == V]
+        for kind in dict.fromkeys(r["kind"] for r in of_v):
+            group = sorted((r for r in of_v if r["kind"] == kind), key=lambda r: r["ms"])
+            head += group if kind in ("floor", "e2e") else [group[0], group[-1]][: len(group)]
+    columns = ["kind", "V", "configuration", "median ms (q20-q80)", "GB/s", "x copy"]
+    intro = (
+        f"**The logits kernels' launch configurations swept** (N = {meta.get('N')} rows, "
+        f"{meta.get('dtype')}; GB/s of the bytes each must move; `x copy` against a device copy "
+        f"of the logits, 1 read + 1 write; per kernel its fastest and slowest configuration, "
+        f"every row below); {_machine(meta)}"
+    )
+    lines = _table(intro, columns, [cells(r) for r in head])
+    full = _table("", columns, [cells(r) for r in rows])[1:]
+    return [*lines, "", "<details><summary>every configuration</summary>", *full, "", "</details>"]
+
+
 def _bandwidth(meta: dict) -> str:
     """What the % of a GB/s column is against: the device's peak or the CPU's measured copy."""
     rates = meta.get("machine_rates") or {}
@@ -465,6 +492,7 @@ MEASURES = {
     # (its inputs' advantages come from group_advantages)
     "bench_packed": [*_library("fastrl/advantages.py"), "benchmarks/bench_packed.py"],
     "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py"],
+    "bench_kernel_configs": [*_LIBRARY, "benchmarks/bench_kernel_configs.py"],
 }
 
 
@@ -620,6 +648,8 @@ def tables(block: str, results: Path | None = None) -> str:
                 "writing advantages and returns once, 17 bytes a token)",
                 "speedup_vs_loop",
             )
+        elif name.startswith("bench_kernel_configs"):
+            lines = _kernel_configs(data)
         elif name.startswith("bench_sample"):
             lines = _generic(
                 data,

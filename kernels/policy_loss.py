@@ -18,17 +18,17 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
   terms), p_j from the stored lse and p_y from the stored logp (exact for a nearly one-hot row:
   `_row_grad_store`). A row with g = h = 0 (a masked token) writes zeros without reading its
   logits.
-* `_policy_loss_fwd_kernel` (persistent grid, one program per row at a time): for a
+* `_policy_loss_fwd_kernel` (one program per row; FASTRL_ROWS_IN_FLIGHT makes the grid
+  persistent, for measurements): for a
   token-separable loss (fastrl.terms.is_token_separable: the loss is sum_t c_t L_t(logp_t, H_t))
   the two above in ONE program: the row's statistics, then g = c_t dL_t/dlogp_t written out here
   (`_token_dloss_dlogp`: SPEC 1-4's derivative with autograd's conventions) and h = -c_t c_H,
-  then the gradient sweep, while the row is still in L2 (the grid holds as many rows in flight
-  as the L2 does: `_rows_in_flight`). FASTRL_ONE_PASS=0 keeps the two-kernel path.
+  then the gradient sweep. FASTRL_ONE_PASS=0 keeps the two-kernel path.
 * `_scale_grad_kernel` (kernels/scale.py, re-exported here): grad *= the upstream gradient,
   skipped on the device when it is 1.
 
 So the forward + backward of a token-separable loss sweeps each logits row twice in one program
-(the second sweep can hit L2) and writes the gradient once; sequence-level options (GSPO ratio,
+and writes the gradient once (on an H200 the second sweep comes from HBM: 2 reads + 1 write); sequence-level options (GSPO ratio,
 sequence IS weights) need every row's statistics first: the statistics kernel, the O(N) torch
 math of the per-token terms (fastrl/terms.py), then the gradient kernel.
 
@@ -465,11 +465,10 @@ def _policy_loss_fwd_kernel(
 ):
     # A token-separable policy loss with each row in ONE program: the row's statistics
     # (_token_stats_slice), then g = c_t dL_t/dlogp_t (_token_dloss_dlogp) and h = -c_t c_H,
-    # then SPEC 6's gradient (_row_grad_store). The second sweep over the row follows the first
-    # in the same program, so it can be served from L2 instead of HBM: 1 read + 1 write of the
-    # logits in HBM where the two-kernel path needs 2 reads + 1 write. Persistent grid (G,):
-    # program p takes rows p, p + G, ..., so that G rows are in flight at a time (the launcher
-    # sizes G to the L2: `_rows_in_flight`).
+    # then SPEC 6's gradient (_row_grad_store): one launch, no per-row statistics stored for a
+    # second kernel and no O(N) autograd between them. Grid (G,): program p takes rows p, p + G,
+    # ... (G = N by default, `_rows_in_flight`: a persistent grid small enough for the second
+    # sweep to hit L2 starved HBM of bytes in flight on an H200).
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
         row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
         inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
@@ -510,11 +509,30 @@ _F32 = torch.float32
 
 
 def _launch_config(V: int, elem_size: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for a row of V elements: about 16 KB of logits per loop step.
+    """(BLOCK_V, num_warps) of a sweep that folds each block of a row into running row
+    statistics (the statistics kernels, split-V's first stage, the one-pass kernel): blocks of
+    2048 elements, 2 warps (32 elements a thread), blocks of 1 warp for short rows.
 
-    Heuristic, not autotuned (autotuning would re-run the in-place backward)."""
+    Measured on an H200 (benchmarks/results/bench_kernel_configs_cuda.json; N = 16384 bf16 rows,
+    V = 151936): the one-pass kernel with a program per row takes 4.57 ms at (2048, 2), 4.61 at
+    (4096, 4), 4.89 at the (8192, 16) used before and 7.76 at (2048, 1); the statistics kernel
+    2.41 ms at (2048, 2), 2.45 at (4096, 4), 3.29 at (8192, 16) (1.40 ms is a bare read of the
+    logits). V = 32000 ranks them the same. More warps per program cost a block-wide reduction
+    (shared memory and a barrier) per block; (4096, 4) also spills a few bytes in the one-pass
+    kernel (triton 3.6 and 3.9). Heuristic, not autotuned (autotuning would re-run the in-place
+    backward); `elem_size` is not used: fp32 rows (not measured) take the same blocks."""
+    del elem_size
+    block = min(max(next_power_of_2(V), 32), 2048)  # >= 32: no size-1 blocks
+    return block, 1 if block <= 256 else 2
+
+
+def _grad_launch_config(V: int, elem_size: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the gradient kernel, an element-wise sweep (no reduction): about
+    16 KB of logits per block (8192 bf16 / fp16, 4096 fp32), 16 warps for the largest blocks.
+    Measured on an H200 (bench_kernel_configs_cuda.json): 2.49 ms at N = 16384, V = 151936
+    bf16, 93 % of a copy of the logits; every block size from 2048 to 16384 within 2 %."""
     max_block = 8192 if elem_size <= 2 else 4096
-    block = min(max(next_power_of_2(V), 32), max_block)  # >= 32: no size-1 blocks
+    block = min(max(next_power_of_2(V), 32), max_block)
     num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 4096 else 16
     return block, num_warps
 
@@ -600,7 +618,7 @@ def row_grad_configs(
     """The launch of `row_grad_` for N rows of V logits of `dtype` (the gradient in the same
     dtype), with or without h = dL/dH, with a scalar or (`row_temp`) a per-row temperature.
     Example arguments: logits and out (1, N, V) contiguous."""
-    block, num_warps = _launch_config(V, dtype.itemsize)
+    block, num_warps = _grad_launch_config(V, dtype.itemsize)
     args = {
         "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "logp_ptr": Ptr(_F32),
         "lse_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32), "grad_entropy_ptr": Ptr(_F32),
@@ -621,31 +639,20 @@ def row_grad_configs(
     )
 
 
-_L2_BYTES = 50 * 2**20  # assumed off CUDA (the interpreter, AOT compiles): H100 SXM / H200
-_L2_SHARE = 0.8  # the rows in flight of the one-pass kernel aim at this share of the L2
-
-
-def _l2_bytes(device: torch.device) -> int:
-    """L2 cache bytes of `device` (torch caches the properties: no sync); _L2_BYTES off CUDA."""
-    if device.type != "cuda":
-        return _L2_BYTES
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
-def _rows_in_flight(N: int, row_bytes: int, sms: int, l2_bytes: int) -> int:
-    """Programs P of the one-pass kernel's persistent grid, each looping over rows one at a
-    time: P = min(SMs, _L2_SHARE x L2 / row bytes, N) (docs/DESIGN.md, the road to the floor),
-    so that the rows in flight fit in L2 and a row's second sweep finds it there (bf16 on an
-    H100: 132 programs at V = 151936, 80 at V = 262144). FASTRL_ROWS_IN_FLIGHT=P forces P (0:
-    one program per row), for tuning on a GPU; not tuned on one yet (none was available)."""
+def _rows_in_flight(N: int) -> int:
+    """Programs P of the one-pass kernel's grid, each looping over rows p, p + P, ...: one per
+    row (P = N). Measured on an H200 (bench_kernel_configs_cuda.json, N = 16384 bf16): a
+    persistent grid sized to keep the rows in flight within the L2 (P = 132, the plan of
+    docs/DESIGN.md) took 8.5 ms at V = 151936 against 4.9 ms for a program per row, and every
+    grid between (264, 1056) fell between them: too few bytes in flight to feed HBM cost more
+    than the second sweep's L2 hits saved. FASTRL_ROWS_IN_FLIGHT=P forces P (0: one program per
+    row), for measurements."""
     env = os.environ.get("FASTRL_ROWS_IN_FLIGHT")
+    rows = N
     if env is not None:
         if not env.isdigit():
             raise ValueError(f"FASTRL_ROWS_IN_FLIGHT must be an int >= 0, got {env!r}")
         rows = int(env) or N
-    else:
-        rows = min(sms, int(_L2_SHARE * l2_bytes) // max(row_bytes, 1))
     return max(1, min(N, rows))
 
 
@@ -654,18 +661,15 @@ def policy_rows_configs(
     V: int,
     dtype: torch.dtype,
     has_grad_entropy: bool,
-    device_sms: int = _SPLIT_SM_COUNT,
-    l2_bytes: int = _L2_BYTES,
     *,
     tokens_dtype: torch.dtype = torch.int64,
     row_temp: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launch of `policy_rows_` (the one-pass kernel of a token-separable loss) for N rows
-    of V logits of `dtype` on a device with `device_sms` SMs and `l2_bytes` of L2, with or
-    without an entropy bonus, a scalar or a per-row temperature: a persistent grid of
-    `_rows_in_flight` programs. Example arguments: logits and out (1, N, V) contiguous, a ppo
-    loss with every per-token input."""
-    grid = _rows_in_flight(N, V * dtype.itemsize, device_sms, l2_bytes)
+    of V logits of `dtype`, with or without an entropy bonus, a scalar or a per-row
+    temperature: `_rows_in_flight` programs. Example arguments: logits and out (1, N, V)
+    contiguous, a ppo loss with every per-token input."""
+    grid = _rows_in_flight(N)
     return _policy_rows_configs(
         N, V, dtype, bool(has_grad_entropy), tokens_dtype, bool(row_temp), grid
     )
@@ -674,8 +678,10 @@ def policy_rows_configs(
 @functools.lru_cache(maxsize=256)
 def _policy_rows_configs(N, V, dtype, has_grad_entropy, tokens_dtype, row_temp, grid):
     block, num_warps = _launch_config(V, dtype.itemsize)
-    if block == 1024:  # at 4 warps ptxas (triton 3.6, sm_90a, bf16 / fp16) spills 4 B; 8 do not
-        num_warps = 8
+    if block == 2048:
+        # 4 warps, not 2: at 2 ptxas spills 4 B here (triton 3.6, sm_80). Not measured yet (the
+        # H200 sweep had (2048, 2) at 4.57 ms and (4096, 4) at 4.61: this lies between)
+        num_warps = 4
     rows = {k: Ptr(_F32) for k in ("logp_ptr", "entropy_ptr", "lse_ptr")}
     inputs = {
         k: Ptr(_F32) for k in ("weight_ptr", "adv_ptr", "old_ptr", "ref_ptr", "is_weight_ptr")
@@ -820,8 +826,8 @@ def policy_rows_(logits, tokens, temperature, terms, out):
     tokens = tokens.contiguous()
     inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
     (cfg,) = policy_rows_configs(
-        N, V, logits.dtype, terms.entropy_coef != 0, _sm_count(logits.device),
-        _l2_bytes(logits.device), tokens_dtype=tokens.dtype, row_temp=inv_rows is not None,
+        N, V, logits.dtype, terms.entropy_coef != 0, tokens_dtype=tokens.dtype,
+        row_temp=inv_rows is not None,
     )  # fmt: skip
     with_kl = terms.kl_coef != 0 and terms.ref_logp is not None
     per_token = (terms.old_logp, terms.ref_logp if with_kl else None, terms.is_weight)

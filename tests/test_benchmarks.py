@@ -501,17 +501,15 @@ def test_policy_summary_ranges_come_from_the_rows():
 
 def test_rows_in_flight_sweep_records_the_grid_each_value_gives(monkeypatch):
     """bench_rows_in_flight.py: each --rows value's grid as the one-pass launcher computes it
-    (auto: min(SMs, 0.8 L2 / row bytes, N), with the SM count and L2 size assumed off CUDA; 0: a
-    program per row), the caller's FASTRL_ROWS_IN_FLIGHT left as it was; bad values refused."""
+    (auto: a program per row, the launcher's default since the H200 sweep; 0: the same; P: P
+    programs), the caller's FASTRL_ROWS_IN_FLIGHT left as it was; bad values refused."""
     mod = load_bench("bench_rows_in_flight.py")
     import torch
-    from fastrl.kernels import policy_loss as k
 
     cpu = torch.device("cpu")
     monkeypatch.setenv("FASTRL_ROWS_IN_FLIGHT", "7")
-    expect = min(k._sm_count(cpu), int(0.8 * k._l2_bytes(cpu)) // (151936 * 2))
-    assert mod.programs("auto", 16384, 151936, "bf16", cpu) == expect == 132  # H100 SXM
-    assert mod.programs("auto", 8192, 262144, "bf16", cpu) == 80
+    assert mod.programs("auto", 16384, 151936, "bf16", cpu) == 16384
+    assert mod.programs("auto", 8192, 262144, "bf16", cpu) == 8192
     assert mod.programs("0", 16384, 151936, "bf16", cpu) == 16384
     assert mod.programs("66", 16384, 151936, "bf16", cpu) == 66
     assert mod.programs("264", 100, 151936, "bf16", cpu) == 100  # never more than N

@@ -127,10 +127,11 @@ def test_every_launcher_choice_is_compiled(report):
     for kernel in ("_token_stats_bwd_kernel", "_policy_loss_fwd_kernel"):
         assert values(kernel, "HAS_GRAD_ENTROPY") == {False, True}
         assert values(kernel, "ROW_TEMP") == {False, True}
-    assert values("_policy_loss_fwd_kernel", "BLOCK_V") == {1024, 4096, 8192}
+    # the reduction sweeps' blocks stop at 2048 (policy_loss._launch_config, measured on an H200)
+    assert values("_policy_loss_fwd_kernel", "BLOCK_V") == {1024, 2048}
     assert values("_sample_fwd_kernel", "GREEDY") == values("_sample_split_fwd_kernel", "GREEDY")
     assert values("_sample_fwd_kernel", "GREEDY") == {False, True}
-    assert values("_token_stats_fwd_kernel", "BLOCK_V") == {1024, 4096, 8192}
+    assert values("_token_stats_fwd_kernel", "BLOCK_V") == {1024, 2048}
     assert values("_token_stats_bwd_kernel", "BLOCK_V") == {1024, 4096, 8192}
     assert values("_sample_fwd_kernel", "BLOCK_V") == {1024, 4096}
     assert values("_token_stats_merge_fwd_kernel", "BLOCK_S") == {2, 4, 8, 16, 32}
@@ -226,6 +227,24 @@ def test_row_stats_launches_its_configs(launched, split_chunk):
     grad = torch.randn(4, 5000)
     PL.scale_(grad, torch.tensor([2.0]))
     assert launched == _as_launched(PL.scale_configs(4, 5000, torch.float32))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(1030, 3), (2, 4096 * 600 + 7), (5, 9000)])
+def test_scale_grad_covers_every_element_with_a_capped_grid(shape):
+    """_scale_grad_kernel runs at most _SCALE_PROGRAMS programs, each looping over rows and column
+    blocks: more rows than programs, one long row pair, a few rows; every element is scaled
+    (x 2 is exact), and a scale of 1 leaves the gradient untouched."""
+    from fastrl.kernels import scale as SC
+
+    (cfg,) = SC.scale_configs(*shape, torch.float32)
+    assert cfg.grid[0] * cfg.grid[1] <= SC._SCALE_PROGRAMS
+    grad = torch.randn(shape)
+    want = grad * 2
+    PL.scale_(grad, torch.tensor([2.0]))
+    assert torch.equal(grad, want)
+    PL.scale_(grad, torch.tensor([1.0]))
+    assert torch.equal(grad, want)
 
 
 @needs_interpreter
