@@ -198,9 +198,11 @@ def peak_memory(fn, device: str | torch.device = "cpu") -> dict:
             "bytes": torch.cuda.max_memory_allocated(device) - base,
             "method": "torch.cuda.max_memory_allocated delta",
         }
-    base = _proc_status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
+    # read after the reset: VmHWM >= every RSS since, this one included, so the delta is >= 0
+    # (read before it, memory freed in between, e.g. by the chunk pool, gave -0.1 MB once)
+    base = _proc_status("VmRSS:")
     fn()
     return {
         "bytes": _proc_status("VmHWM:") - base,

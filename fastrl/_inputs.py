@@ -113,6 +113,15 @@ def packed_per_sequence(name: str, t: Tensor, packing: Packing | None, N: int) -
     )
 
 
+def inv_tau(tau):
+    """1 / tau, what the torch path multiplies by to form z' = z * (1 / tau): the float's
+    reciprocal, or (R, 1) fp32 reciprocals of a column of per-row temperatures. A multiply, not a
+    division, on every device and for both kinds, as the Triton kernels do: CUDA computes
+    x / float as x * (1 / float), so a division gave a float and a constant tensor of the same
+    temperature different last bits on the GPU (true division there for the tensor)."""
+    return 1.0 / tau if isinstance(tau, float) else torch.reciprocal(tau)
+
+
 def check_temperature(temperature: float) -> float:
     expected = f"a float >= {TAU_MIN:.3g} (1 / temperature finite in fp32)"
     return check_number("temperature", temperature, expected, lambda t: t >= TAU_MIN)

@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 from torch import Tensor
 
+from ._inputs import inv_tau
+
 CHUNK_BYTES = 32 << 20  # fp32 bytes per temporary of the chunked torch path (a few exist at once)
 SUB_BYTES = 4 << 20  # fp32 bytes per cache-sized scratch buffer of its element-wise passes
 
@@ -227,15 +229,6 @@ def _chunk_tau(tau, r0: int, r1: int):
 def _is_one(tau) -> bool:
     """tau is the float 1.0 (then z' = z: nothing to divide)."""
     return isinstance(tau, float) and tau == 1.0
-
-
-def inv_tau(tau):
-    """1 / tau, what the torch path multiplies by to form z' = z * (1 / tau): the float's
-    reciprocal, or (R, 1) fp32 reciprocals of a column of per-row temperatures. A multiply, not a
-    division, on every device and for both kinds, as the Triton kernels do: CUDA computes
-    x / float as x * (1 / float), so a division gave a float and a constant tensor of the same
-    temperature different last bits on the GPU (true division there for the tensor)."""
-    return 1.0 / tau if isinstance(tau, float) else torch.reciprocal(tau)
 
 
 def _scaled(rows: Tensor, temperature) -> Tensor:

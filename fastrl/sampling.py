@@ -41,8 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import chunked
-from ._inputs import check_int, check_number
+from ._inputs import check_int, check_number, inv_tau
 from .config import FP32_MAX, TAU_MIN
 from .ops import backend_for
 
@@ -114,7 +113,7 @@ def _scaled(z: Tensor, tau: float | Tensor) -> tuple[Tensor, Tensor]:
     rounding is monotone, so max(z / τ) = max(z) / τ exactly)."""
     m = z.amax(-1, keepdim=True)
     finite = torch.isfinite(m)
-    inv = chunked.inv_tau(tau)  # a multiply, as the kernels (chunked.inv_tau)
+    inv = inv_tau(tau)  # a multiply, as the kernels (_inputs.inv_tau)
     return (z - torch.where(finite, m, 0.0)).mul_(inv), torch.where(finite, 0.0, m).mul_(inv)
 
 

@@ -5,6 +5,7 @@ carrying the table (its --merge builds it from the merged folder)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,9 +85,10 @@ def test_each_target_is_graded_at_its_bound(cuda_results):
     assert "| 2 | policy_loss >= 10x TRL eager | N=16384 V=151936 bf16 | 9.90 x | missed |" in text
 
 
-def test_missing_rows_and_failures(cuda_results):
+def test_missing_rows_and_failures(cuda_results, tmp_path):
     """No Liger row: that ratio is not measured (not met); a failed gpu test misses item 1; a
-    gae run at another shape grades nothing; a CPU-only folder grades nothing at all."""
+    gae run at another shape grades nothing; a CPU-only folder (the committed CPU results
+    alone) grades nothing at all."""
     rows = json.loads((cuda_results / "bench_policy_loss_cuda.json").read_text())["rows"]
     _write(cuda_results, "bench_policy_loss_cuda", [r for r in rows if r["method"] != "liger"])
     _write(cuda_results, "bench_gae_cuda", [dict(method="fastrl.gae", B=64, T=1024,
@@ -98,7 +100,12 @@ def test_missing_rows_and_failures(cuda_results):
     gae = graded["fastrl.gae >= 100x verl's per-step loop at B=512 T=8192"]
     assert gae["verdict"] == "not measured" and gae["case"] == "B=64 T=1024"
     no_cuda = {"passed": 0, "failures": 0, "errors": 0, "skipped": 90, "note": "no CUDA device"}
-    cpu_only = gpu_targets.grade(ROOT / "benchmarks" / "results", no_cuda)
+    cpu_dir = tmp_path / "cpu_only"
+    cpu_dir.mkdir()
+    for path in (ROOT / "benchmarks" / "results").glob("*_cpu*.json"):
+        shutil.copy(path, cpu_dir / path.name)
+    assert list(cpu_dir.glob("bench_policy_loss_cpu*.json"))
+    cpu_only = gpu_targets.grade(cpu_dir, no_cuda)
     assert {r["verdict"] for r in cpu_only} == {"not measured"}
     assert len(cpu_only) == 5  # one row per item's targets, none graded
 
