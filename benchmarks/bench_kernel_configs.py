@@ -18,13 +18,19 @@ Rows (kind):
   one-pass       _policy_loss_fwd_kernel (GRPO with its k3 KL, no entropy bonus: the statistics,
                  then dL/dz)
                  at each config and grid P
+  sample         kernels.sampling.sample_rows (Gumbel-max, one read of each row) on 256 rows
+                 (split-V) and 4096 rows (a program per row) at each (BLOCK_V, warps), and at
+                 the launcher's own choice
   e2e            fastrl.policy_loss(..., config="grpo") forward + backward as users call it:
                  the launchers' own choices (`default`), and FASTRL_ONE_PASS=0 (`two-kernel`)
   profile        one e2e call under torch.profiler: each CUDA kernel's count and time, and the
                  host's wall time per call against the device's (a launch-bound call shows the
                  host slower); the same for fastrl.sample on 256 rows (decode's shape)
+  fusion         the one-pass kernel at its launcher's configuration with fp fusion on and off
+                 (the cost of launch.EXACT_PRODUCTS)
 Each timed row: median ms (q20, q80) by triton.testing.do_bench on CUDA, GB/s of the bytes that
-kernel must move (stats: N V itemsize; grad, one-pass, e2e, floor: 2 N V itemsize) and that as a
+kernel must move (stats, sample: N V itemsize; grad, one-pass, e2e, floor: 2 N V itemsize) and
+that as a
 share of the `floor` row's GB/s. Rows are written as they are measured
 (<out>/bench_kernel_configs_<device>.json), so a run cut at its timeout keeps what it timed.
 """
@@ -43,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import torch  # noqa: E402
 from fastrl.kernels import policy_loss as PL  # noqa: E402
+from fastrl.kernels import sampling as SK  # noqa: E402
 
 import fastrl  # noqa: E402
 
@@ -62,7 +69,10 @@ QUICK = dict(N=8, Vs=[300], stats=[(64, 1, None), (256, 4, None)], grad=[(64, 1,
              one_pass=[(64, 1, None)], grids=["0", "2"])  # fmt: skip
 
 _OVERRIDE: dict = {}  # kernel name -> {"BLOCK_V", "num_warps", "num_stages", "fusion"}
-_plain_config = PL.config
+_plain_config = PL.config  # (kernels/sampling.py imports the same launch.config)
+# the sampler's sweep (BLOCK_V, num_warps): its launcher's choice today is (4096, 16) for bf16
+SAMPLE = [(1024, 2, None), (2048, 4, None), (2048, 8, None), (4096, 8, None), (4096, 16, None)]
+SAMPLE_ROWS = (256, 4096)  # decode's few rows (split-V) and a batch (a program per row)
 
 
 def _swept_config(kernel, grid, num_warps, args, *, options=(), **constexprs):
@@ -79,7 +89,8 @@ def _swept_config(kernel, grid, num_warps, args, *, options=(), **constexprs):
 
 
 def _clear_caches() -> None:
-    for fn in (PL._row_stats_configs, PL.row_grad_configs, PL._policy_rows_configs):
+    for fn in (PL._row_stats_configs, PL.row_grad_configs, PL._policy_rows_configs,
+               SK._sample_rows_configs):  # fmt: skip
         fn.cache_clear()
 
 
@@ -160,7 +171,7 @@ def main(argv=None) -> None:
     grids = QUICK["grids"] if args.quick else GRIDS
     reps = (1, 2) if args.quick else (args.warmup, args.rep)
     os.environ.setdefault("FASTRL_BACKEND", "triton")
-    PL.config = _swept_config
+    PL.config = SK.config = _swept_config
     meta = {**common.device_info(device), "N": N, "dtype": "bf16", "timing": "do_bench median"}
     notes: dict = {}
     meta["notes"] = notes
@@ -240,6 +251,21 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
         with override("_token_stats_bwd_kernel", block, warps, stages):
             timed("grad", V, label, lambda: PL.row_grad_(
                 logits, tokens, logp, lse, entropy, g, None, 1.0, out_buf), two)  # fmt: skip
+    # the sampler (Gumbel-max with Philox noise): N rows of the same logits, read once each
+    seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    cuda = device == "cuda"
+    for rows in SAMPLE_ROWS if cuda else (N,):
+        part = logits[0, :rows]
+        for block, warps, stages in SAMPLE if cuda else [(64, 1, None)]:
+            split = SK._split_config(rows, V, block, logits.device)[0] > 1
+            kernel = "_sample_split_fwd_kernel" if split else "_sample_fwd_kernel"
+            with override(kernel, block, warps, stages):
+                timed("sample", V, f"N={rows} BLOCK_V={block} warps={warps}",
+                      lambda part=part: SK.sample_rows(part, seed, 1.0, False),
+                      rows * V * item)  # fmt: skip
+        with override(None):
+            timed("sample", V, f"N={rows} default", lambda part=part: SK.sample_rows(
+                part, seed, 1.0, False), rows * V * item)  # fmt: skip
     # the cost of launch.EXACT_PRODUCTS: today's one-pass config with fp fusion on and off
     block, warps = PL._launch_config(V, item)
     for fusion in (True, False):
