@@ -67,16 +67,15 @@ def child_rows(method: str, rows_in_flight: str | None, args, device: str, tmp: 
     return [{k: r.get(k) for k in KEEP} for r in data["rows"] if r["method"] == method]
 
 
-def programs(rows_in_flight: str, N: int, V: int, dtype: str, device) -> int:
-    """The grid size the one-pass launcher picks for N rows of V logits of `dtype` on `device`
-    with FASTRL_ROWS_IN_FLIGHT = rows_in_flight (auto: unset): what each row of the sweep ran."""
+def programs(rows_in_flight: str, N: int) -> int:
+    """The grid size the one-pass launcher picks for N rows with FASTRL_ROWS_IN_FLIGHT =
+    rows_in_flight (auto: unset): what each row of the sweep ran."""
     from fastrl.kernels import policy_loss as k
 
     old = os.environ.pop("FASTRL_ROWS_IN_FLIGHT", None)
     try:
         if rows_in_flight != "auto":
             os.environ["FASTRL_ROWS_IN_FLIGHT"] = rows_in_flight
-        del V, dtype, device  # the grid depends on N alone since the H200 sweep
         return k._rows_in_flight(N)
     finally:
         os.environ.pop("FASTRL_ROWS_IN_FLIGHT", None)
@@ -128,9 +127,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method, p in runs:
             for r in child_rows(method, None if p == "auto" else p, args, dev, Path(tmp)):
-                grid = (
-                    programs(p, r["N"], r["V"], r["dtype"], device) if method == "fastrl" else None
-                )
+                grid = programs(p, r["N"]) if method == "fastrl" else None
                 rows.append({"method": method, "rows_in_flight": p, "programs": grid, **r})
                 bar.write(f"{method:18s} P={p:5s} N={r['N']} V={r['V']} {r['dtype']}: "
                           f"{r['total_ms']:.3f} ms, {r['GBs']:.1f} GB/s")  # fmt: skip
