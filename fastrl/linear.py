@@ -371,7 +371,8 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
         )  # fmt: skip
         tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows
-        return x, x.mask, tau
+        # no mask given: every row counts, found without reading one (torch.nonzero: a sync)
+        return x, None if mask is None else x.mask, tau
 
     x, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
     params = [t for t in (hidden, weight, bias) if t is not None]

@@ -187,6 +187,28 @@ def _check_bad_inputs(b, rows, group, rank):
                                         temperature=tau, group=group)  # fmt: skip
 
 
+def _check_no_mask_reads_no_rows(b, rows, group):
+    """No mask: the fused loss takes every row without looking for the counted ones
+    (torch.nonzero, a host sync on a GPU), as the unsharded op does; with one it finds them."""
+    from fastrl import vocab_parallel as vp
+
+    seen, real = [], vp._active_rows
+    vp._active_rows = lambda m, *a: seen.append(m) or real(m, *a)
+    try:
+        mine = _leaves(b, rows)
+        out = fastrl.fused_linear_policy_loss(mine[0], mine[1], b["tokens"], b["adv"],
+                                              bias=mine[2], group=group)  # fmt: skip
+        full = _leaves(b)
+        want = fastrl.fused_linear_policy_loss(full[0], full[1], b["tokens"], b["adv"],
+                                               bias=full[2])  # fmt: skip
+        _close(out.loss, want.loss)
+        assert seen == [None]
+        _policy(_leaves(b, rows), b, group=group)
+        assert seen[-1] is not None
+    finally:
+        vp._active_rows = real
+
+
 def _worker(rank, world, store):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
@@ -207,6 +229,7 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="grpo", entropy_coef=0.01, temperature=b["tau"])
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
             _check_nearly_one_hot(rows, group)
+        _check_no_mask_reads_no_rows(b, rows, group)
         _check_dtensor(b, world)
         start = sum(SHARDS[world][0][:rank])
         _check_bad_inputs(b, slice(start, start + SHARDS[world][0][rank]), group, rank)
