@@ -10,6 +10,7 @@ import torch
 
 from fastrl.advantages import group_advantages
 from fastrl.train import algos
+from fastrl.train import update as update_phase
 from fastrl.train.config import TrainConfig
 from fastrl.train.rollout import generate, sequence_logprobs
 from fastrl.train.trainer import Batch, Trainer, read_metrics
@@ -107,8 +108,50 @@ def test_a_step_where_every_group_is_uniform_trains_nothing(tmp_path):
     before = [p.detach().clone() for p in t.policy.parameters()]
     t.train()
     rec = read_metrics(str(tmp_path / "o" / "metrics.jsonl"))[-1]
-    assert rec["loss"] == 0.0 and rec["grad_norm"] == 0.0
+    assert rec["loss"] == 0.0 and rec["opt_steps"] == 0 and "grad_norm" not in rec
     for key in ("entropy", "approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_max"):
         assert key not in rec, key  # no token was trained: no average of none, not a false 0
     for b, p in zip(before, t.policy.parameters()):
         assert torch.equal(b, p)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_minibatch_that_cannot_move_the_policy_takes_no_optimizer_step(skip):
+    """After a step with signal (AdamW holds momentum), a batch whose every advantage is 0 (no
+    KL, no entropy term: its loss is exactly 0) leaves the weights as they were, with
+    skip_zero_advantage on or off: an AdamW step on a zero gradient would move them by its
+    momentum. The schedule still steps."""
+    t = _trainer(algo="grpo", kl_coef=0, minibatches=2, skip_zero_advantage=skip)
+    b = _batch(t, skip)
+    assert t.update(b)["opt_steps"] == 2
+    before = [p.detach().clone() for p in t.policy.parameters()]
+    epoch = t.state.sched.last_epoch
+    zero = Batch(b.rollout, torch.zeros_like(b.advantages), b.old_logp.nan_to_num(0.0))
+    if skip:
+        zero.trained = torch.zeros_like(b.trained)
+    seen = _rows_forwarded(t)
+    out = t.update(zero)
+    assert out["opt_steps"] == 0 and out["loss"] == 0.0 and "grad_norm" not in out
+    assert seen == [] and t.state.sched.last_epoch == epoch + 2
+    for a, p in zip(before, t.policy.parameters()):
+        assert torch.equal(a, p)
+
+
+def test_a_kl_term_moves_the_policy_without_an_advantage():
+    """With a KL term a zero-advantage batch still has a gradient: every minibatch steps."""
+    t = _trainer(algo="grpo", kl_coef=0.1, minibatches=2)
+    b = _batch(t, False)
+    zero = Batch(b.rollout, torch.zeros_like(b.advantages), b.old_logp, b.old_logp - 0.5)
+    before = [p.detach().clone() for p in t.policy.parameters()]
+    out = t.update(zero)
+    assert out["opt_steps"] == 2 and out["grad_norm"] > 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.policy.parameters()))
+
+
+def test_live_minibatches_count_the_rows_that_can_move_the_policy():
+    t = _trainer(algo="grpo", kl_coef=0, minibatches=2)
+    b = _batch(t, False)  # rows 0-3 and 8-11 have advantage 0, row 5 no counted token
+    split = [[torch.tensor([0, 5, 8]), torch.tensor([1, 4, 2])], [torch.tensor([11, 9, 5])] * 2]
+    assert update_phase._live_minibatches(t.run, b, split) == [[False, True], [False, False]]
+    ppo = _trainer(algo="ppo", minibatches=2)  # every row with a counted token counts
+    assert update_phase._live_minibatches(ppo.run, b, split) == [[True, True], [True, True]]

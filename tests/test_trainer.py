@@ -337,9 +337,10 @@ def test_rewards_and_tasks():
     assert get_task("add_format").target(exs[0]) == f"[{exs[0].answer}]"
 
 
-def test_dapo_with_no_informative_group_still_steps(tmp_path):
-    # every reward is 0: dynamic sampling keeps nothing after max_gen_batches; the step trains
-    # on a fully masked group (including empty micro-batches) and says the batch was not full
+def test_dapo_with_no_informative_group_takes_no_optimizer_step(tmp_path):
+    # every reward is 0: dynamic sampling keeps nothing after max_gen_batches; the step's batch
+    # is a fully masked group, so no minibatch can move the policy: none takes an AdamW step
+    # (which would move the weights by its momentum), and the record says the batch was not full
     f = tmp_path / "t.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "never"}\n')
     cfg = tiny(
@@ -359,16 +360,17 @@ def test_dapo_with_no_informative_group_still_steps(tmp_path):
     t.train()
     rec = read_metrics(str(tmp_path / "o" / "metrics.jsonl"))[-1]
     assert rec["kept_groups"] == 0 and rec["batch_full"] is False and rec["gen_batches"] == 2
-    assert rec["loss"] == 0.0
+    assert rec["loss"] == 0.0 and rec["opt_steps"] == 0 and "grad_norm" not in rec
+    assert not t.state.opt.state and t.state.sched.last_epoch == 2  # the schedule still steps
     for b, p in zip(before, t.policy.parameters()):
-        assert torch.equal(b, p)  # zero gradient, AdamW without weight decay: unchanged
+        assert torch.equal(b, p)
 
 
 @pytest.mark.parametrize("loss", ["gspo", "dapo"])
 def test_dapo_with_fewer_rows_than_minibatches(tmp_path, loss):
-    """dapo keeps G rows here (its fallback) for 4 minibatches: the empty ones are skipped (no
-    optimizer step; the schedule still steps), never a NaN from a seq-mean over 0 sequences
-    (gspo stopped the run with "non-finite loss nan")."""
+    """dapo keeps G rows here (its fallback, fully masked) for 4 minibatches: every one is
+    skipped (no optimizer step; the schedule still steps), never a NaN from a seq-mean over 0
+    sequences (gspo stopped the run with "non-finite loss nan")."""
     f = tmp_path / "t.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "never"}\n')
     cfg = tiny(algo="dapo", loss=loss, task=str(f), batch_size=2, group_size=2, minibatches=4,
@@ -377,7 +379,6 @@ def test_dapo_with_fewer_rows_than_minibatches(tmp_path, loss):
     t = Trainer(cfg, log=lambda *a: None)
     t.train()
     rec = read_metrics(str(tmp_path / "o" / "metrics.jsonl"))[-1]
-    assert rec["kept_groups"] == 0 and rec["loss"] == 0.0
-    steps = {int(s["step"]) for s in t.state.opt.state.values()}
-    assert steps == {2}, steps  # G = 2 rows: two minibatches of one row, two empty ones
+    assert rec["kept_groups"] == 0 and rec["loss"] == 0.0 and rec["opt_steps"] == 0
+    assert not t.state.opt.state  # no AdamW step: no state
     assert t.state.sched.last_epoch == 4

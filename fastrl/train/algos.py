@@ -66,15 +66,27 @@ def group_rows(cfg: TrainConfig, loss_cfg, rewards: Tensor, mask: Tensor, ref: b
 
 def trained_rows(cfg: TrainConfig, loss_cfg, adv: Tensor, mask: Tensor, ref: bool):
     """grpo / dapo with `skip_zero_advantage`: (N,) bool on the host, the sequences whose loss
-    can be non-zero, or None (train on all). Every policy-gradient term of every loss preset is
-    proportional to the advantage, so with no KL term (`ref` False or beta 0) and no entropy
-    bonus a sequence with advantage 0 (N,), or with no counted token in `mask` (N, T), has loss
-    0 and gradient 0 exactly (one read of the advantages: a host sync, once per step)."""
+    can be non-zero (`signal_rows`), or None (train on all: ppo, or a KL / entropy term, where
+    every sequence with a counted token can move the policy)."""
     if not cfg.skip_zero_advantage or cfg.algo == "ppo" or loss_cfg.entropy_coef:
         return None
     if ref and loss_cfg.kl_coef:
         return None
-    return ((adv != 0) & (mask > 0).any(-1)).cpu()
+    return signal_rows(cfg, loss_cfg, adv, mask, ref)
+
+
+def signal_rows(cfg: TrainConfig, loss_cfg, adv: Tensor, mask: Tensor, ref: bool) -> Tensor:
+    """(N,) bool on the host: the sequences whose loss, and so whose gradient, can be non-zero.
+    A sequence with no counted token in `mask` (N, T) has loss 0 under every algorithm (the
+    policy and the value loss are masked means / sums). For grpo / dapo with no KL term (`ref`
+    False or beta 0) and no entropy bonus, every policy-gradient term of every loss preset is
+    proportional to the advantage, so a sequence whose advantage `adv` (N,) is 0 has loss 0 too
+    (one read of the mask and advantages: a host sync)."""
+    rows = (mask > 0).any(-1)
+    token_terms = loss_cfg.entropy_coef or (ref and loss_cfg.kl_coef)
+    if cfg.algo != "ppo" and not token_terms:
+        rows = rows & (adv != 0)
+    return rows.cpu()
 
 
 # --------------------------------------------------------------------------- ppo

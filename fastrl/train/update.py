@@ -11,9 +11,14 @@ gradient it computed in the forward without another pass over the (n, T, V) logi
 != 1 there reads and writes every logit once more: DESIGN's "road to the floor", step 3).
 `token-sum` has no normaliser to fold it into: on more than one rank it runs as token-mean over a
 count of 1 / grad_scale (the same sum, times grad_scale), for the same reason.
-A minibatch with no row on any rank (dapo can keep fewer rows than --minibatches) is skipped:
-no forward, no optimizer step (an AdamW step on a zero gradient would still move the weights),
-only the schedule's step, so the learning rate keeps to the RL steps.
+A minibatch whose loss is exactly 0 on every rank by construction (`algos.signal_rows`: no row
+with a counted token and, for grpo / dapo without a KL or entropy term, a non-zero advantage;
+dapo's fully masked fallback when no group was informative, a grpo step whose every group is
+uniform, a minibatch with no row at all when dapo kept fewer rows than --minibatches) is skipped:
+no forward, no optimizer step (an AdamW step on a zero gradient still moves the weights, by its
+momentum and its weight decay), only the schedule's step, so the learning rate keeps to the RL
+steps. Which minibatches those are is known before the first one: one host read of the rows
+that can move the policy, and one all-reduce of the per-minibatch counts over the ranks.
 Rows the batch marks untrained (`Batch.trained`: zero advantage, no KL / entropy term) count in
 the normalisers but are not forwarded: their loss and gradient are exactly 0.
 Metric sums and gradient norms stay on the device and are read once per update; a non-finite
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,7 +38,8 @@ from torch import Tensor
 from ..config import LossConfig
 from ..linear import fused_linear_policy_loss
 from ..losses import policy_loss, value_loss
-from .common import Batch, TrainingError, all_ranks, all_reduce, last_good
+from . import algos
+from .common import Batch, TrainingError, all_reduce, last_good
 from .rollout import completion_hidden, forward_completion_logits, truncate_like_sampler
 from .state import Run, TrainState
 
@@ -67,13 +74,14 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
     ratio_max = torch.zeros((), dtype=torch.float64, device=run.device)
     grad_norms, lrs = [], []
     mask = batch.rollout.completion_mask
-    # the most rows a rank has (dapo's vary): minibatch k holds rows on some rank iff k < that
-    rows = N if cfg.algo != "dapo" else int(all_ranks(N, dist.ReduceOp.MAX, run.device))
-    for _ in range(cfg.epochs):
-        perm = torch.randperm(N, generator=state.shuffle_gen)
-        for k, mb in enumerate(torch.tensor_split(perm, cfg.n_minibatches)):
-            if k >= rows:  # no row on any rank: no step but the schedule's
-                state.sched.step()
+    perms = [torch.randperm(N, generator=state.shuffle_gen) for _ in range(cfg.epochs)]
+    minibatches = [torch.tensor_split(perm, cfg.n_minibatches) for perm in perms]
+    live = _live_minibatches(run, batch, minibatches)
+    for e in range(cfg.epochs):
+        for k, mb in enumerate(minibatches[e]):
+            lrs.append(state.sched.get_last_lr()[0])  # the lr of this minibatch's step
+            if not live[e][k]:  # loss 0 on every rank: no step but the schedule's
+                _schedule_only(state.sched)
                 continue
             one = torch.tensor(float(len(mb)), device=mask.device)
             num_tokens, num_seqs = all_reduce(torch.stack([mask[mb.to(run.device)].sum(), one]))
@@ -86,21 +94,20 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
                 s, rmax = _micro_step(run, state, batch, mi, num_tokens, num_seqs, last)
                 sums += s
                 ratio_max = torch.maximum(ratio_max, rmax)
-            lrs.append(state.sched.get_last_lr()[0])  # the lr of this optimizer step
             grad_norms.append(_clip_and_step(cfg, state))
     n_opt = len(grad_norms)
-    # the one host read of this update: metric sums, ratio max, every grad norm pair
+    # the host read of this update's results: metric sums, ratio max, every grad norm pair
     ratio_max = all_reduce(ratio_max.reshape(1), dist.ReduceOp.MAX if run.world > 1 else None)
-    norms = torch.stack(grad_norms).double().flatten()
+    norms = torch.stack(grad_norms).double().flatten() if n_opt else sums.new_zeros(0)
     host = torch.cat([all_reduce(sums), ratio_max, norms]).cpu()
     sums, ratio_max, norms = host[: len(SUMS)], host[len(SUMS)], host[len(SUMS) + 1 :]
     norms = norms.view(n_opt, 2)
     _check_finite(sums, norms, state.step + 1, cfg.out)
-    out = {
-        "loss": sums[0].item() / n_opt,
-        "grad_norm": norms[:, 0].mean().item(),
-        "lr": sum(lrs) / len(lrs),
-    }
+    # the loss is averaged over the optimizer steps taken; a step with none had a loss of
+    # exactly 0 and no gradient to report
+    out = {"loss": sums[0].item() / max(n_opt, 1), "opt_steps": n_opt, "lr": sum(lrs) / len(lrs)}
+    if n_opt:
+        out["grad_norm"] = norms[:, 0].mean().item()
     tok = sums[_I["tokens"]].item()
     # per-token averages over the forwarded tokens: none on a step that forwarded no counted
     # token (every group uniform, or dapo's fully masked fallback), rather than a false 0
@@ -114,8 +121,31 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
         out["value_loss"] = sums[_I["value_loss"]].item() / n_opt
         if tok > 0:
             out["vf_clipfrac"] = sums[_I["vf_clipfrac"]].item() / tok
-        out["critic_grad_norm"] = norms[:, 1].mean().item()
+        if n_opt:
+            out["critic_grad_norm"] = norms[:, 1].mean().item()
     return out
+
+
+def _schedule_only(sched) -> None:
+    """Step the lr schedule of a skipped optimizer step, without torch's warning that the
+    schedule stepped before the optimizer did (meant for a misordered loop, not a skip)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        sched.step()
+
+
+def _live_minibatches(run: Run, batch: Batch, minibatches: list) -> list[list[bool]]:
+    """[epoch][k]: whether minibatch k (row indices into `batch`) of that epoch holds, on some
+    rank, a row whose loss can be non-zero (`algos.signal_rows`). One host read, and on more
+    than one rank one all-reduce of the (epochs * minibatches) counts: every rank skips alike."""
+    r = batch.rollout
+    rows = algos.signal_rows(
+        run.cfg, run.loss_cfg, batch.advantages, r.completion_mask, batch.ref_logp is not None
+    )
+    counts = torch.tensor([[int(rows[mb].sum()) for mb in mbs] for mbs in minibatches])
+    if run.world > 1:
+        counts = all_reduce(counts.to(run.device)).cpu()
+    return (counts > 0).tolist()
 
 
 def _micro_step(
