@@ -49,7 +49,8 @@ class Masked:
     on a GPU, every time). The helpers below take a Masked or a plain mask; one Masked shared
     by a loss and its metrics (`_terms_and_metrics`) runs the same operations on the same
     inputs as plain masks would (bitwise the same numbers) with fewer launches: a GRPO call
-    made 168 (an H200 profile), 102 now (counted on the CPU)."""
+    made 168 (an H200 profile), 102 then (counted on the CPU); the metrics' token means in one
+    stacked reduction (`masked_means`) took policy_output from 95 dispatched ops to 63."""
 
     def __init__(self, mask: Tensor):
         self.mask = mask
@@ -82,6 +83,17 @@ def masked_mean(x: Tensor, mask: Tensor | Masked) -> Tensor:
     _, any_counted, count = m.count()
     total = torch.where(m.counted, x * m.mask, m.zero).sum()
     return torch.where(any_counted, total / count, m.zero)
+
+
+def masked_means(xs: list[Tensor], mask: Tensor | Masked) -> tuple[Tensor, ...]:
+    """`masked_mean` of each x in `xs` (each like the mask, fp32), as one reduction over the
+    stacked (k, ...) values: a handful of launches for k metrics instead of five each. Returns
+    k 0-dim tensors (views of one (k,) result)."""
+    m = _masked(mask)
+    _, any_counted, count = m.count()
+    stacked = torch.stack(xs)  # (k, B, T)
+    totals = torch.where(m.counted, stacked * m.mask, m.zero).flatten(1).sum(1)  # (k,)
+    return torch.where(any_counted, totals / count, m.zero).unbind(0)
 
 
 def masked_max(x: Tensor, mask: Tensor | Masked) -> Tensor:
@@ -411,28 +423,34 @@ def _terms_and_metrics(logp: Tensor, entropy: Tensor, x: PolicyInputs):
     loss = aggregate(t.per_token_loss, mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
 
     with torch.no_grad():
-        ratio = t.ratio
+        ratio = t.ratio.detach()
         clipfrac_high = ((A > 0) & (ratio > 1 + cfg.clip_high)).float()
         clipfrac_low = ((A < 0) & (ratio < 1 - cfg.clip_low)).float()
-        dualclip_frac = mask.zero.clone()  # the mean of no dual-clipped token is 0 exactly
-        if t.dual_clipped is not None:
-            dualclip_frac = masked_mean(t.dual_clipped, mask)
-        metrics = {
-            "clipfrac": masked_mean(clipfrac_high + clipfrac_low, mask),
-            "clipfrac_low": masked_mean(clipfrac_low, mask),
-            "clipfrac_high": masked_mean(clipfrac_high, mask),
-            "dualclip_frac": dualclip_frac,
-            "approx_kl": masked_mean(old_logp - logp, mask),
-            "kl": masked_mean(t.kl, mask),
-            "entropy": masked_mean(entropy, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            "ratio_max": masked_max(ratio, mask),
+        # the token means in one reduction (each its own five launches before)
+        means = {
+            "clipfrac": clipfrac_high + clipfrac_low,
+            "clipfrac_low": clipfrac_low,
+            "clipfrac_high": clipfrac_high,
+            "approx_kl": (old_logp - logp).detach(),
+            "kl": t.kl.detach(),
+            "entropy": entropy.detach(),
+            "ratio_mean": ratio,
         }
+        if t.dual_clipped is not None:
+            means["dualclip_frac"] = t.dual_clipped
         if t.is_weight is not None:
-            metrics["is_weight_mean"] = masked_mean(t.is_weight, mask)
+            means["is_weight_mean"] = t.is_weight
+            means["is_clipfrac"] = t.is_over_cap
+        metrics = dict(zip(means, masked_means(list(means.values()), mask)))
+        if t.dual_clipped is None:  # the mean of no dual-clipped token is 0 exactly
+            metrics["dualclip_frac"] = mask.zero.clone()
+        metrics["ratio_max"] = masked_max(ratio, mask)
+        if t.is_weight is not None:
             metrics["is_weight_max"] = masked_max(t.is_weight_raw, mask)
-            metrics["is_clipfrac"] = masked_mean(t.is_over_cap, mask)
-        metrics = {k: v.detach() for k, v in metrics.items()}
+        order = ("clipfrac", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "kl",
+                 "entropy", "ratio_mean", "ratio_max", "is_weight_mean", "is_weight_max",
+                 "is_clipfrac")  # fmt: skip
+        metrics = {k: metrics[k] for k in order if k in metrics}
     return loss, t.kl.detach(), t.ratio.detach(), metrics
 
 
