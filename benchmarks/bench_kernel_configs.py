@@ -267,7 +267,7 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
             timed("sample", V, f"N={rows} default", lambda part=part: SK.sample_rows(
                 part, seed, 1.0, False), rows * V * item)  # fmt: skip
     # the cost of launch.EXACT_PRODUCTS: today's one-pass config with fp fusion on and off
-    block, warps = PL._launch_config(V, item)
+    block, warps = PL._launch_config(V)
     for fusion in (True, False):
         with override("_policy_loss_fwd_kernel", block, warps, None, fusion):
             timed("fusion", V, f"one-pass fusion={fusion}", one_pass, two)

@@ -28,9 +28,10 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
   skipped on the device when it is 1.
 
 So the forward + backward of a token-separable loss sweeps each logits row twice in one program
-and writes the gradient once (on an H200 the second sweep comes from HBM: 2 reads + 1 write); sequence-level options (GSPO ratio,
-sequence IS weights) need every row's statistics first: the statistics kernel, the O(N) torch
-math of the per-token terms (fastrl/terms.py), then the gradient kernel.
+and writes the gradient once (on an H200 the second sweep comes from HBM: 2 reads + 1 write);
+sequence-level options (GSPO ratio, sequence IS weights) need every row's statistics first: the
+statistics kernel, the O(N) torch math of the per-token terms (fastrl/terms.py), then the
+gradient kernel.
 
 Temperature: every kernel that reads logits takes `inv_temp` (fp32 scalar, 1 / tau) and, with the
 constexpr flag ROW_TEMP, reads each row's own 1 / tau_t from `inv_temp_ptr` (fp32 (B * T,)) instead:
@@ -508,7 +509,7 @@ def _policy_loss_fwd_kernel(
 _F32 = torch.float32
 
 
-def _launch_config(V: int, elem_size: int) -> tuple[int, int]:
+def _launch_config(V: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of a sweep that folds each block of a row into running row
     statistics (the statistics kernels, split-V's first stage, the one-pass kernel): blocks of
     2048 elements, 2 warps (32 elements a thread), blocks of 1 warp for short rows.
@@ -520,8 +521,7 @@ def _launch_config(V: int, elem_size: int) -> tuple[int, int]:
     logits). V = 32000 ranks them the same. More warps per program cost a block-wide reduction
     (shared memory and a barrier) per block; (4096, 4) also spills a few bytes in the one-pass
     kernel (triton 3.6 and 3.9). Heuristic, not autotuned (autotuning would re-run the in-place
-    backward); `elem_size` is not used: fp32 rows (not measured) take the same blocks."""
-    del elem_size
+    backward); fp32 rows (not measured) take the same blocks."""
     block = min(max(next_power_of_2(V), 32), 2048)  # >= 32: no size-1 blocks
     return block, 1 if block <= 256 else 2
 
@@ -556,7 +556,7 @@ def row_stats_configs(
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (_split_config;
     `split_chunk` forces it as in row_stats); `row_temp`: a temperature per row (ROW_TEMP).
     Example arguments: logits (1, N, V) contiguous."""
-    block, _ = _launch_config(V, dtype.itemsize)
+    block, _ = _launch_config(V)
     splits, chunk = _split_config(N, V, block, device_sms, split_chunk)  # not cached: tests spy
     return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk, bool(row_temp))
 
@@ -565,7 +565,7 @@ def row_stats_configs(
 def _row_stats_configs(
     N, V, dtype, tokens_dtype, splits, chunk, row_temp
 ) -> tuple[LaunchConfig, ...]:
-    block, num_warps = _launch_config(V, dtype.itemsize)
+    block, num_warps = _launch_config(V)
     logits = {"logits_ptr": Ptr(dtype)}
     shape = {"T": N, "V": V}
     strides = {"stride_logits_b": N * V, "stride_logits_t": V}
@@ -585,7 +585,7 @@ def _row_stats_configs(
                 options=EXACT_PRODUCTS,
             ),
         )
-    block, num_warps = _launch_config(min(chunk, block), dtype.itemsize)
+    block, num_warps = _launch_config(min(chunk, block))
     aligned = _partials_aligned(N, splits)
     parts = {f"part_{k}_ptr": Ptr(_F32, aligned or k == "m") for k in "msw"}
     split_args = {**logits, **parts, **shape, "CHUNK": chunk, "SPLITS": splits, **strides, **temp}
@@ -621,7 +621,8 @@ def row_grad_configs(
     block, num_warps = _grad_launch_config(V, dtype.itemsize)
     args = {
         "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "logp_ptr": Ptr(_F32),
-        "lse_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32), "grad_entropy_ptr": Ptr(_F32),
+        "lse_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32),
+        "grad_entropy_ptr": Ptr(_F32),
         "grad_ptr": Ptr(dtype), "T": N, "V": V, "stride_logits_b": N * V, "stride_logits_t": V,
         "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
     }  # fmt: skip
@@ -677,7 +678,7 @@ def policy_rows_configs(
 
 @functools.lru_cache(maxsize=256)
 def _policy_rows_configs(N, V, dtype, has_grad_entropy, tokens_dtype, row_temp, grid):
-    block, num_warps = _launch_config(V, dtype.itemsize)
+    block, num_warps = _launch_config(V)
     if block == 2048:
         # 4 warps, not 2: at 2 ptxas spills 4 B here (triton 3.6, sm_80). Not measured yet (the
         # H200 sweep had (2048, 2) at 4.57 ms and (4096, 4) at 4.61: this lies between)
@@ -776,8 +777,9 @@ def row_grad_(
     """Write dL/dz (SPEC 6) into `out` (B, T, V), which may be `logits` itself (in-place).
 
     logits (B, T, V); tokens, logp, lse, entropy (`row_stats`' outputs), grad_logp,
-    grad_entropy (B, T) (fp32, the last two are g and h; grad_entropy None means h = 0); temperature a float tau or a (B, T) tensor of
-    per-row tau_t (the one the statistics were computed with). Returns `out`."""
+    grad_entropy (B, T) (fp32, the last two are g and h; grad_entropy None means h = 0);
+    temperature a float tau or a (B, T) tensor of per-row tau_t (the one the statistics were
+    computed with). Returns `out`."""
     B, T, V = logits.shape
     N = B * T
     if N == 0:
@@ -858,7 +860,7 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     as fastrl.chunked's."""
     B, T, V = logits.shape
     if row_terms is not None and one_pass_enabled():
-        block, _ = _launch_config(V, logits.dtype.itemsize)
+        block, _ = _launch_config(V)
         terms = row_terms() if _split_config(B * T, V, block, logits.device)[0] == 1 else None
         if terms is not None:
             return policy_rows_(logits, tokens, temperature, terms, out)
