@@ -97,7 +97,7 @@ def test_skip_is_on_for_grpo_without_kl_and_for_dapo():
 
 def test_a_step_where_every_group_is_uniform_trains_nothing(tmp_path):
     # every reward is 0: no row is trained, pi_old still runs one row (an FSDP forward is a
-    # collective), the update's micro-batches are empty, and the weights stay as they were
+    # collective), the update skips every minibatch, and the weights stay as they were
     f = tmp_path / "t.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "never"}\n')
     cfg = tiny_run.tiny(
@@ -155,3 +155,19 @@ def test_live_minibatches_count_the_rows_that_can_move_the_policy():
     assert update_phase._live_minibatches(t.run, b, split) == [[False, True], [False, False]]
     ppo = _trainer(algo="ppo", minibatches=2)  # every row with a counted token counts
     assert update_phase._live_minibatches(ppo.run, b, split) == [[True, True], [True, True]]
+
+
+@pytest.mark.parametrize("loss", ["gspo", "dapo"])
+def test_fewer_rows_than_minibatches_step_once_per_row(loss):
+    """Two informative rows for 4 minibatches (dapo can keep fewer rows than --minibatches):
+    two single-row minibatches step, the two empty ones only step the schedule; the loss is
+    finite (a seq-mean over 0 sequences once stopped the run with a NaN)."""
+    t = _trainer(algo="dapo", loss=loss, minibatches=4, skip_zero_advantage=False)
+    b = _batch(t, False)
+    idx = torch.tensor([4, 6])  # a mixed group's rows: advantage != 0, tokens counted
+    assert (b.advantages[idx] != 0).all()
+    two = Batch(b.rollout.select(idx), b.advantages[idx], b.old_logp[idx])
+    epoch = t.state.sched.last_epoch
+    out = t.update(two)
+    assert out["opt_steps"] == 2 and t.state.sched.last_epoch == epoch + 4
+    assert out["loss"] != 0 and torch.isfinite(torch.tensor(out["loss"]))

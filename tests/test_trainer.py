@@ -32,9 +32,10 @@ def tiny(**kw) -> TrainConfig:
 
 
 # ----------------------------------------------------------------------- data parallel
-def _fixed_batch(trainer: Trainer) -> Batch:
+def _fixed_batch(trainer: Trainer, zero_rows: int = 0) -> Batch:
     """The same rollout batch in every process (seeded); each rank keeps its contiguous share
-    and computes advantages on it as the trainer does (PPO whitens over all ranks)."""
+    and computes advantages on it as the trainer does (PPO whitens over all ranks). grpo / dapo:
+    the first `zero_rows` rows of the whole batch get advantage 0."""
     ex = trainer.task.sample(__import__("random").Random(123), 4)
     r = generate(
         trainer.policy,
@@ -54,11 +55,12 @@ def _fixed_batch(trainer: Trainer) -> Batch:
     ref = sequence_logprobs(trainer.ref, r) if trainer.ref is not None else None
     if trainer.cfg.algo == "ppo":
         return trainer._ppo_advantages(r, rewards, old, ref)
-    return Batch(r, group_advantages(rewards, group_size=4), old, ref)
+    adv = torch.where(idx < zero_rows, 0.0, group_advantages(rewards, group_size=4))
+    return Batch(r, adv, old, ref)
 
 
-def _update_once(algo: str, grad_accum: int, **kw) -> dict:
-    """One `update` on the fixed batch (this rank's contiguous share of it)."""
+def _update_once(algo: str, grad_accum: int, zero_rows: int = 0, **kw) -> dict:
+    """One `update` on the fixed batch (this rank's contiguous share of it; `_fixed_batch`)."""
     t = Trainer(
         tiny(
             algo=algo,
@@ -72,7 +74,7 @@ def _update_once(algo: str, grad_accum: int, **kw) -> dict:
         log=lambda *a: None,
     )
     t.setup()
-    out = t.update(_fixed_batch(t))
+    out = t.update(_fixed_batch(t, zero_rows))
     params = [getattr(p, "full_tensor", lambda p=p: p)() for p in t.policy.parameters()]
     out["params"] = torch.cat([p.detach().flatten() for p in params]).tolist()
     out["fused_lm_head"] = t.fused_lm_head
@@ -175,6 +177,19 @@ def test_two_process_gloo_equals_one_process(algo, tmp_path):
     off = (p1 - p2).abs() > 1e-4
     assert off.float().mean() < 1e-3, f"{int(off.sum())} of {off.numel()} weights differ"
     assert (p1 - p2).abs().max() < 2.5e-3
+
+
+def test_ranks_skip_alike_when_only_one_has_signal(tmp_path):
+    """dapo (no KL): rank 0's rows all have advantage 0, rank 1's do not. The minibatch can
+    move the policy on rank 1, so both ranks step (rank 0 forwarding a masked row into DDP's
+    all-reduce, no rank left waiting), as one process does on the whole batch."""
+    one = _update_once("dapo", 2, zero_rows=8)  # rank 0's share of the 16 rows: the first 8
+    two = update_two_ranks("dapo", tmp_path, zero_rows=8)
+    assert one["opt_steps"] == two["opt_steps"] == 1
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-5, abs=1e-7) and one["loss"] != 0
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-4)
+    p1, p2 = torch.tensor(one["params"]), torch.tensor(two["params"])
+    assert ((p1 - p2).abs() > 1e-4).float().mean() < 1e-3
 
 
 @pytest.mark.parametrize(

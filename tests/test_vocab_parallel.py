@@ -202,6 +202,10 @@ def _check_no_mask_reads_no_rows(b, rows, group):
         want = fastrl.fused_linear_policy_loss(full[0], full[1], b["tokens"], b["adv"],
                                                bias=full[2])  # fmt: skip
         _close(out.loss, want.loss)
+        got, expected = torch.autograd.grad(out.loss, mine), torch.autograd.grad(want.loss, full)
+        _close(got[0], expected[0])
+        _close(got[1], expected[1][rows])
+        _close(got[2], expected[2][rows])
         assert seen == [None]
         _policy(_leaves(b, rows), b, group=group)
         assert seen[-1] is not None

@@ -66,8 +66,8 @@ def group_rows(cfg: TrainConfig, loss_cfg, rewards: Tensor, mask: Tensor, ref: b
 
 def trained_rows(cfg: TrainConfig, loss_cfg, adv: Tensor, mask: Tensor, ref: bool):
     """grpo / dapo with `skip_zero_advantage`: (N,) bool on the host, the sequences whose loss
-    can be non-zero (`signal_rows`), or None (train on all: ppo, or a KL / entropy term, where
-    every sequence with a counted token can move the policy)."""
+    can be non-zero (`signal_rows`), or None (train on all: `skip_zero_advantage` off, ppo, or a
+    KL / entropy term, where every sequence with a counted token can move the policy)."""
     if not cfg.skip_zero_advantage or cfg.algo == "ppo" or loss_cfg.entropy_coef:
         return None
     if ref and loss_cfg.kl_coef:

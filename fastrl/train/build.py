@@ -250,7 +250,8 @@ def _checkpoint_activations(model: torch.nn.Module) -> None:
 
 def build_optimizer(cfg: TrainConfig, policy, critic):
     """(AdamW over the policy's trainable parameters and the critic's, the LambdaLR of
-    --warmup-steps / --lr-schedule over every optimizer step of the run)."""
+    --warmup-steps / --lr-schedule over every minibatch of the run, one schedule step each, whether
+    or not it takes an optimizer step)."""
     groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": cfg.critic_lr})

@@ -162,7 +162,9 @@ class TrainConfig:
     / sequence count of the whole optimizer step across ranks)."""
 
     warmup_steps: int = 0
-    """Linear learning-rate warm-up, in optimizer steps (0: none, TRL's default)."""
+    """Linear learning-rate warm-up, in schedule steps: one per minibatch, including one that
+    takes no optimizer step because nothing in it can move the policy (0: none, TRL's
+    default)."""
 
     max_grad_norm: float = 1.0
     """Gradient clipping (global L2 norm)."""
@@ -193,7 +195,8 @@ class TrainConfig:
     and its training forward + backward are skipped, while the loss normalisers still count it:
     the same update up to rounding, at the cost of the informative sequences only. Entropy,
     clipfrac and approx_kl are then averaged over the trained sequences. False: forward every
-    sequence (those metrics over the whole batch)."""
+    sequence of a minibatch that has one such sequence (those metrics over its whole batch). On
+    or off, a minibatch with none on any rank takes no optimizer step (only the schedule's)."""
 
     clip_low: float | None = None
     """epsilon_low of the ratio clip (None: the algorithm's preset, 0.2)."""

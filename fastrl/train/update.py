@@ -1,5 +1,6 @@
-"""The update: `epochs` passes over `minibatches` shuffled minibatches, each one AdamW step over
-`grad_accum` micro-batches of the fused `fastrl.policy_loss` (+ the clipped value loss for ppo).
+"""The update: `epochs` passes over `minibatches` shuffled minibatches, each one AdamW step (unless
+it cannot move the policy: below) over `grad_accum` micro-batches of the fused
+`fastrl.policy_loss` (+ the clipped value loss for ppo).
 
 The loss normaliser is the token / sequence count of the whole optimizer step summed over
 micro-batches and ranks (`num_tokens` / `num_seqs`), so accumulation and data parallelism give
@@ -60,7 +61,8 @@ _I = {k: i for i, k in enumerate(SUMS)}
 
 
 def update(run: Run, state: TrainState, batch: Batch) -> dict:
-    """`epochs` x `minibatches` optimizer steps on this rank's `batch`.
+    """At most `epochs` x `minibatches` optimizer steps on this rank's `batch` (none for a
+    minibatch whose loss is 0 on every rank: `_live_minibatches`).
 
     Reads `run` (config, loss config, device, ranks), `state.shuffle_gen` (the minibatch order),
     and trains `state.policy` / `state.critic` through `state.train_policy` / `state.train_critic`
@@ -118,7 +120,7 @@ def update(run: Run, state: TrainState, batch: Batch) -> dict:
         if batch.ref_logp is not None:  # KL to the reference; approx_kl is the KL to pi_old
             out["kl"] = sums[_I["kl"]].item() / tok
     if cfg.algo == "ppo":
-        out["value_loss"] = sums[_I["value_loss"]].item() / n_opt
+        out["value_loss"] = sums[_I["value_loss"]].item() / max(n_opt, 1)
         if tok > 0:
             out["vf_clipfrac"] = sums[_I["vf_clipfrac"]].item() / tok
         if n_opt:
