@@ -57,13 +57,15 @@ NAME = "bench_kernel_configs"
 # (BLOCK_V, num_warps, num_stages or None for triton's default). The launchers' choices for bf16
 # rows of V >= 2048: statistics (2048, 2), one-pass (2048, 4), gradient (8192, 16); before the
 # first sweep every kernel ran (8192, 16) (policy_loss._launch_config / _grad_launch_config)
-STATS = [(1024, 1, None), (2048, 1, None), (2048, 1, 1), (2048, 2, None), (4096, 2, None),
-         (4096, 4, None), (8192, 8, None), (8192, 16, None), (8192, 16, 1),
+# (the statistics sweeps keep per-column sums since 2026-11-27: registers grow with the logits a
+# thread holds, BLOCK_V / (32 warps), so the grids span 8 to 32 of them)
+STATS = [(1024, 1, None), (2048, 1, None), (2048, 2, None), (2048, 4, None), (2048, 8, None),
+         (4096, 2, None), (4096, 4, None), (8192, 8, None), (8192, 16, None),
          (16384, 16, None)]  # fmt: skip
 GRAD = [(2048, 4, None), (4096, 4, None), (4096, 8, None), (8192, 8, None), (8192, 16, None),
         (16384, 16, None), (16384, 32, None)]  # fmt: skip
-ONE_PASS = [(2048, 1, None), (2048, 2, None), (2048, 4, None), (4096, 4, None), (8192, 8, None),
-            (8192, 16, None)]  # fmt: skip
+ONE_PASS = [(1024, 2, None), (2048, 2, None), (2048, 4, None), (2048, 8, None), (4096, 4, None),
+            (4096, 8, None), (8192, 16, None)]  # fmt: skip
 GRIDS = ["0", "1056", "264", "132"]  # FASTRL_ROWS_IN_FLIGHT: 0 = one program per row
 QUICK = dict(N=8, Vs=[300], stats=[(64, 1, None), (256, 4, None)], grad=[(64, 1, None)],
              one_pass=[(64, 1, None)], grids=["0", "2"])  # fmt: skip

@@ -38,6 +38,7 @@ import json
 import os
 import pkgutil
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -197,7 +198,7 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fastrl" / "compile_check"
 
 
-_ROW_FORMAT = 2  # the fields a kept result holds (2: ptx_fma): a change recompiles everything
+_ROW_FORMAT = 3  # the fields a kept result holds (2: ptx_fma, 3: sweeps): a change recompiles all
 
 
 def _result_key(cfg, arch: int, spec) -> str:
@@ -276,6 +277,7 @@ def compile_one(cfg, arch: int, cache_dir: Path | None = None) -> dict:
     # fused multiply-adds in the PTX: 0 under launch.EXACT_PRODUCTS (no contraction; ptxas
     # does not fuse the .rn-rounded mul / add the compiler then emits)
     row["ptx_fma"] = compiled.asm["ptx"].count("fma.rn.f32")
+    row["sweeps"] = sweeps(compiled.asm["cubin"], cfg)
     problems = []
     if row["registers"] is None:
         problems.append("no ptxas report captured")
@@ -292,6 +294,63 @@ def compile_one(cfg, arch: int, cache_dir: Path | None = None) -> dict:
         tmp.write_text(json.dumps(row, default=str))
         os.replace(tmp, path)  # atomic: concurrent runs never read half a file
     return {**row, "cached": False}
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA\s+(0x[0-9a-f]+)")
+
+
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction of a compiled kernel (triton's bundled
+    cuobjdump -sass; predicates kept, encodings dropped)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True)
+    return [(int(m[1], 16), m[2]) for m in map(_SASS_LINE.match, out.stdout.splitlines()) if m]
+
+
+def _opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def sweeps(cubin: bytes, cfg) -> list[dict]:
+    """The innermost loops of a compiled kernel (a backward branch to a lower address, with no
+    other loop inside), as the per-logit cost of its sweeps over a row: `instructions` in the
+    loop body, `cold` of them skipped by a forward branch inside it (the bodies of uniform
+    `if`s: the rescale when the row max grows, the one block that holds column y), `hot` = the
+    rest, executed every block; per logit: hot / (BLOCK_V / (32 num_warps)) logits a thread
+    handles per block, when the kernel has a BLOCK_V. `kind`: "statistics" (exponentials, no
+    store), "gradient" (exponentials and stores), "store" (stores only) or "other"."""
+    code = sass(cubin)
+    index = {addr: i for i, (addr, _) in enumerate(code)}
+    branches = []  # (from index, to index)
+    for i, (_, ins) in enumerate(code):
+        m = _BRANCH.match(ins)
+        if m and int(m[2], 16) in index:
+            branches.append((i, index[int(m[2], 16)]))
+    loops = [(to, i) for i, to in branches if to < i]
+    block = dict(cfg.constexprs).get("BLOCK_V")
+    per_thread = block / (32 * cfg.num_warps) if block else None
+    out = []
+    for lo, hi in loops:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):
+            continue  # not innermost
+        cold = sum(to - i - 1 for i, to in branches if lo <= i < to <= hi)
+        body = [_opcode(ins) for _, ins in code[lo : hi + 1]]
+        mufu, stores = body.count("MUFU"), body.count("STG")
+        kind = "statistics" if mufu and not stores else "gradient" if mufu else "store"
+        kind = kind if stores or mufu else "other"
+        hot = len(body) - cold
+        out.append({
+            "kind": kind, "instructions": len(body), "cold": cold, "hot": hot,
+            "barriers": body.count("BAR"), "mufu": mufu, "logits_per_thread": per_thread,
+            "hot_per_logit": round(hot / per_thread, 2) if per_thread else None,
+        })  # fmt: skip
+    return out
 
 
 _TASKS: list = []  # (LaunchConfig, arch, cache_dir) of this run, inherited by forked workers

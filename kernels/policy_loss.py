@@ -6,7 +6,10 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
 * `_token_stats_fwd_kernel` (one program per row) reads the row ONCE, in BLOCK_V chunks, with an
   online max / sum-exp / sum(exp * (z' - m)) (max-shifted, so H has no cancellation at large
   logit offsets or low temperature; softmax.py) and writes lse, logp and H (fp32, one value per
-  row).
+  row). The sums are kept per column (BLOCK_V accumulators, folded into one value at the row's
+  end), so a block costs one cross-thread max, and the exponentials are single MUFU.EX2
+  instructions (softmax._exp2): about 12 SASS instructions per logit on sm_90a against 30 when
+  every block was reduced to scalars (benchmarks/kernel_report.py counts them).
 * split-V (`_token_stats_split_fwd_kernel` + `_token_stats_merge_fwd_kernel`): when there are few
   rows and a long vocabulary, SPLITS programs per row each reduce one slice of it to partial
   (max, sum-exp, sum exp * shift) and a merge kernel combines them exactly, so a small batch
@@ -62,13 +65,15 @@ import triton.language as tl
 from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
 from .scale import _scale_grad_kernel, scale_, scale_configs  # noqa: F401 (backend interface)
 from .softmax import (
+    _LOG2E,
     _SPLIT_SM_COUNT,
+    _exp2,
     _lse_finish,
     _lse_init,
     _lse_merge_partials,
     _lse_store_partials,
-    _lse_update,
     _merge_config,
+    _row_stats_sweep,
     _sm_count,
     _split_config,
 )
@@ -122,17 +127,11 @@ def _token_stats_fwd_kernel(
 
 @triton.jit
 def _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V: tl.constexpr):
-    # Online statistics of z'_j = z_j / tau over the columns lo <= j < hi of one row, read in
-    # BLOCK_V chunks: (m, s, w, n_nan) with m = max z', s = sum exp(z' - m),
-    # w = sum exp(z' - m) (z' - m) (-inf logits contribute 0) and n_nan the number of NaN logits
-    # (counted, then left out of m, s, w: softmax._lse_update).
-    m, s, w, n_nan = _lse_init()
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(lo, hi, BLOCK_V):
-        offs = start + cols
-        z = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_temp
-        m, s, w, n_nan, z = _lse_update(m, s, w, n_nan, z)
-    return m, s, w, n_nan
+    # Statistics of z'_j = z_j / tau over the columns lo <= j < hi of one row:
+    # (m, s, w, n_nan) with m = max z', s = sum exp(z' - m), w = sum exp(z' - m) (z' - m)
+    # (-inf logits contribute 0) and n_nan = 0: a NaN logit makes s NaN (softmax._row_stats_sweep:
+    # per-column accumulators, one cross-thread max per block of BLOCK_V).
+    return _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V)
 
 
 @triton.jit
@@ -295,32 +294,49 @@ def _row_grad_store(
     # (about eps). (A scalar before the loop, not a select of logp inside it: that kept one more
     # value live per element and made triton 3.6 spill at BLOCK_V >= 4096 with the entropy term.)
     cols = tl.arange(0, BLOCK_V)
+    whole = V // BLOCK_V * BLOCK_V  # whole blocks (no mask), then the masked rest
     if (g == 0.0) & (h == 0.0):
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
-            tl.store(
-                out_ptr + offs,
-                tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty),
-                mask=offs < V,
-            )
+        zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty)
+        for start in range(0, whole, BLOCK_V):
+            tl.store(out_ptr + start + cols, zeros)
+        if whole < V:
+            tl.store(out_ptr + whole + cols, zeros, mask=whole + cols < V)
     else:
         p_y = tl.exp(logp)
         d_y = g * (1.0 - p_y)
         if HAS_GRAD_ENTROPY:
             d_y -= h * p_y * tl.where(p_y > 0.0, logp + entropy, 0.0)
         d_y = d_y * inv_temp
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols
+        gc = -g * inv_temp  # d_j = (1/tau)(-g p_j - h p_j (log p_j + H)) = p_j (gc - hc (...))
+        hc = h * inv_temp
+        y_col = tl.where((y >= 0) & (y < V), y, -1).to(tl.int32)  # in [0, V), or -1: none
+        for start in range(0, whole, BLOCK_V):
+            z = tl.load(row_ptr + start + cols).to(tl.float32)
+            d = _grad_block(z, inv_temp, shift, log_s, entropy, gc, hc, HAS_GRAD_ENTROPY)
+            if (y_col >= start) & (y_col < start + BLOCK_V):  # the block holding column y
+                d = tl.where(start + cols == y_col, d_y, d)
+            tl.store(out_ptr + start + cols, d.to(out_ptr.dtype.element_ty))
+        if whole < V:
+            offs = whole + cols
             valid = offs < V
-            z = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            log_p = (z - shift) - log_s
-            p = tl.exp(log_p)
-            d = -g * p
-            if HAS_GRAD_ENTROPY:
-                # p (log p + H) := 0 where p = 0 (a -inf logit has no entropy gradient)
-                d -= h * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-            d = tl.where(offs == y, d_y, d * inv_temp)
+            z = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+            d = _grad_block(z, inv_temp, shift, log_s, entropy, gc, hc, HAS_GRAD_ENTROPY)
+            d = tl.where(offs == y_col, d_y, d)
             tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _grad_block(z, inv_temp, shift, log_s, entropy, gc, hc, HAS_GRAD_ENTROPY: tl.constexpr):
+    # SPEC 6 for a block of raw logits z (BLOCK,) fp32 of a row, column y aside:
+    # log p = (z / tau - shift) - log_s, p = 2^(log p log2 e), and
+    # d = p gc (gc = -g / tau), or with the entropy term d = p (gc - hc (log p + H))
+    # (hc = h / tau), := 0 where p = 0 (a -inf logit has no entropy gradient).
+    log_p = (z * inv_temp - shift) - log_s
+    p = _exp2(log_p * _LOG2E)
+    if HAS_GRAD_ENTROPY:
+        return p * (gc - hc * tl.where(p > 0.0, log_p + entropy, 0.0))
+    else:
+        return p * gc
 
 
 # Codes of the runtime (not constexpr) switches of _policy_loss_fwd_kernel: one compiled kernel
@@ -514,14 +530,18 @@ def _launch_config(V: int) -> tuple[int, int]:
     statistics (the statistics kernels, split-V's first stage, the one-pass kernel): blocks of
     2048 elements, 2 warps (32 elements a thread), blocks of 1 warp for short rows.
 
-    Measured on an H200 (benchmarks/results/bench_kernel_configs_cuda.json; N = 16384 bf16 rows,
-    V = 151936): the one-pass kernel with a program per row takes 4.57 ms at (2048, 2), 4.61 at
-    (4096, 4), 4.89 at the (8192, 16) used before and 7.76 at (2048, 1); the statistics kernel
-    2.41 ms at (2048, 2), 2.45 at (4096, 4), 3.29 at (8192, 16) (1.40 ms is a bare read of the
-    logits). V = 32000 ranks them the same. More warps per program cost a block-wide reduction
-    (shared memory and a barrier) per block; (4096, 4) also spills a few bytes in the one-pass
-    kernel (triton 3.6 and 3.9). Heuristic, not autotuned (autotuning would re-run the in-place
-    backward); fp32 rows (not measured) take the same blocks."""
+    Chosen on an H200 (benchmarks/results/bench_kernel_configs_cuda.json; N = 16384 bf16 rows,
+    V = 151936) for the sweep of before 2026-11-27, which reduced every block to scalars (four
+    block-wide reductions per block): the one-pass kernel took 4.57 ms at (2048, 2), 4.61 at
+    (4096, 4), 4.89 at (8192, 16); the statistics kernel 2.41 ms at (2048, 2), 2.45 at (4096,
+    4), 3.29 at (8192, 16) (1.40 ms is a bare read of the logits). The sweep of today
+    (softmax._row_stats_sweep: per-column sums, one block max) issues about 11-12 SASS
+    instructions per logit instead of 30 at these blocks (kernel_report.py); it holds two fp32
+    sums per logit a thread owns, so its registers grow with BLOCK_V / (32 warps): 128 at
+    (2048, 2) for the statistics kernel. Its best block has not been measured yet (the
+    kernel-configs stage of benchmarks/run_all.py sweeps 8 to 32 logits a thread). Heuristic,
+    not autotuned (autotuning would re-run the in-place backward); fp32 rows (not measured)
+    take the same blocks."""
     block = min(max(next_power_of_2(V), 32), 2048)  # >= 32: no size-1 blocks
     return block, 1 if block <= 256 else 2
 
@@ -680,8 +700,8 @@ def policy_rows_configs(
 def _policy_rows_configs(N, V, dtype, has_grad_entropy, tokens_dtype, row_temp, grid):
     block, num_warps = _launch_config(V)
     if block == 2048:
-        # 4 warps, not 2: at 2 ptxas spills 4 B here (triton 3.6, sm_80). Not measured yet (the
-        # H200 sweep had (2048, 2) at 4.57 ms and (4096, 4) at 4.61: this lies between)
+        # 4 warps, not 2: 16 logits a thread. At 2 warps (32) the one-pass kernel holds 238-250
+        # registers (triton 3.6 / 3.9, sm_90a): two programs per SM at most
         num_warps = 4
     rows = {k: Ptr(_F32) for k in ("logp_ptr", "entropy_ptr", "lse_ptr")}
     inputs = {
