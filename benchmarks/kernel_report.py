@@ -179,6 +179,56 @@ def byte_budget() -> dict:
     }
 
 
+# The launches whose row sweeps are tabulated: (what, launcher function, arguments), at the
+# byte budget's shape (N rows of V bf16 logits; the sampler at decode, 256 rows)
+SWEEP_LAUNCHES = [
+    ("logprobs, no grad (statistics)", "row_stats_configs", (N, V, "bf16", SMS)),
+    ("policy_loss, one pass", "policy_rows_configs", (N, V, "bf16", False)),
+    ("policy_loss, one pass, entropy bonus", "policy_rows_configs", (N, V, "bf16", True)),
+    ("logprobs backward (gradient)", "row_grad_configs", (N, V, "bf16", False)),
+    ("logprobs backward, entropy term", "row_grad_configs", (N, V, "bf16", True)),
+    ("sample (Gumbel-max)", "sample_rows_configs", (N, V, "bf16", False, SMS)),
+]
+
+
+def sweep_costs(report: dict) -> list[dict]:
+    """Per-logit SASS cost of the row sweeps of SWEEP_LAUNCHES on sm_90a: for each launch's
+    kernels, each innermost loop of compile_check.sweeps (hot instructions a logit, exponentials
+    a logit, barriers a block) and the kernel's registers."""
+    import torch
+    from fastrl.kernels import policy_loss, sampling
+
+    dtypes = {"bf16": torch.bfloat16}
+    funcs = {**{k: getattr(policy_loss, k) for k in ("row_stats_configs", "policy_rows_configs",
+                                                      "row_grad_configs")},
+             "sample_rows_configs": sampling.sample_rows_configs}  # fmt: skip
+    index = {}
+    for r in report["results"]:
+        if r["arch"] == "sm_90a":
+            key = (r["kernel"], json.dumps(r["constexprs"]), r["num_warps"],
+                   r["signature"].get("logits_ptr"))  # fmt: skip
+            index.setdefault(key, r)
+    rows = []
+    for what, fn, args in SWEEP_LAUNCHES:
+        n, v, dt, *rest = args
+        for cfg in funcs[fn](n, v, dtypes[dt], *rest):
+            r = index.get((cfg.name, json.dumps(dict(cfg.constexprs)), cfg.num_warps, f"*{dt}"))
+            if r is None:
+                raise RuntimeError(f"{what}: {cfg.name} is not in the compile check's results")
+            for loop in r.get("sweeps") or []:
+                if loop["kind"] not in ("statistics", "gradient") or not loop["hot_per_logit"]:
+                    continue
+                per = loop["logits_per_thread"]
+                rows.append({
+                    "launch": what, "kernel": cfg.name, "num_warps": cfg.num_warps,
+                    "BLOCK_V": dict(cfg.constexprs)["BLOCK_V"], "logits_per_thread": per,
+                    "sweep": loop["kind"], "hot_per_logit": loop["hot_per_logit"],
+                    "exp_per_logit": round(loop["mufu"] / per, 2),
+                    "barriers_per_block": loop["barriers"], "registers": r["registers"],
+                })  # fmt: skip
+    return rows
+
+
 def summarize(report: dict) -> list[dict]:
     """One row per kernel: configs compiled, warps, register and shared-memory ranges."""
     out = {}
@@ -234,6 +284,28 @@ def markdown(data: dict, full: bool = True, root: str = "") -> str:
             f"{_range(k['registers']['sm_90a'])} | {_range(k['registers']['sm_80'])} | "
             f"{k['spill_bytes']} | {max(k['shared']['sm_90a'][1], k['shared']['sm_80'][1])} |"
         )
+    if data.get("sweeps"):
+        lines += [
+            "",
+            "**SASS instructions per logit in the row sweeps** (sm_90a, bf16, V = "
+            f"{budget['shape']['V']}; the innermost loops of each kernel from triton's bundled "
+            "cuobjdump, `compile_check.sweeps`): `hot` counts the instructions a block runs every "
+            "time (the loop body less the bodies of uniform `if`s: the rescale when the row max "
+            "grows, the block holding column y) over the logits a thread handles per block. "
+            "Counts of compiled code, not measurements; an H200 issues about 132 x 4 x 32 "
+            "instructions a clock (1.98 GHz), so 1 instruction per logit over N x V logits is "
+            f"about {N * V / (132 * 4 * 32 * 1.98e9) * 1e3:.2f} ms of issue time.",
+            "",
+            "| launch | kernel | warps | logits a thread | sweep | instructions per logit | "
+            "exp per logit | barriers per block | registers |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in data["sweeps"]:
+            lines.append(
+                f"| {r['launch']} | `{r['kernel']}` | {r['num_warps']} | "
+                f"{r['logits_per_thread']:g} | {r['sweep']} | {r['hot_per_logit']:.1f} | "
+                f"{r['exp_per_logit']:.2f} | {r['barriers_per_block']} | {r['registers']} |"
+            )
     shape = budget["shape"]
     gpus = list(budget["bandwidth_TBs"])
     bw = ", ".join(f"{g} {t} TB/s" for g, t in budget["bandwidth_TBs"].items())
@@ -308,7 +380,7 @@ def build() -> dict:
     report = compile_report()
     keep = ("kernel", "arch", "constexprs", "num_warps", "signature", "specialized", "registers",
             "spill_stores", "spill_loads", "stack", "shared", "shared_limit", "ok", "error",
-            "launches", "example_launch")  # fmt: skip
+            "launches", "example_launch", "sweeps")  # fmt: skip
     kernels = [{k: r.get(k) for k in keep} for r in report["results"]]
     meta = {
         "triton": report["triton"],
@@ -327,6 +399,7 @@ def build() -> dict:
     return {
         "meta": meta,
         "kernel_summary": summarize(report),
+        "sweeps": sweep_costs(report),
         "byte_budget": byte_budget(),
         "kernels": kernels,
     }
