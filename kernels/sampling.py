@@ -1,11 +1,15 @@
 """One-pass Gumbel-max sampler (SPEC 10): token, its log-prob and the row's entropy.
 
 For a row z (V,) and z' = z / τ, one sweep over the vocabulary in blocks of BLOCK_V carries,
-relative to the running max m (online, rescaled when m grows: softmax._lse_update),
+relative to the running max m (online, rescaled when m grows: softmax._row_block_stats, sums
+kept per column),
     m = max z',  s = Σ e^(z' - m),  w = Σ e^(z' - m)·(z' - m)
 and a running argmax of z'_j + G_j, with G_j = -log(E_j) Gumbel noise, E_j = -log(1 - U_j)
-~ Exp(1) and U_j uniform from Philox keyed by (seed, row·V + j): counter-based, so the same
-seed gives the same tokens whatever the launch configuration (one program per row or split-V).
+~ Exp(1) and U_j uniform from Philox keyed by seed at counter row·ceil(V/4) + j//4, word j % 4:
+counter-based, so the same seed gives the same tokens whatever the launch configuration (one
+program per row or split-V). Each column keeps its own best key across blocks and the last step
+takes the first maximum: no cross-thread step per block but the row max (about 50 SASS
+instructions per logit on sm_90a, 180 when every block was reduced: kernel_report.py).
 At the end
     lse = m + log s,   logp_y = (z'_y - m) - log s,   H = lse - Σ p z' = log s - w / s,
 max-shifted, so that H has no cancellation at large logit offsets or low temperature (both of
@@ -38,13 +42,17 @@ import triton.language as tl
 
 from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
 from .softmax import (
+    _LN2,
+    _LOG2E,
     _SPLIT_SM_COUNT,
+    _log2,
     _lse_finish,
     _lse_init,
     _lse_merge_partials,
     _lse_store_partials,
-    _lse_update,
     _merge_config,
+    _row_block_stats,
+    _row_stats_finish,
     _sm_count,
     _split_config,
 )
@@ -64,36 +72,50 @@ def _sample_slice(
     BLOCK_V: tl.constexpr,
 ):
     # Columns lo <= j < hi of one row, BLOCK_V at a time -> (m, s, w, n_nan, best_key, best_idx,
-    # best_z): the statistics of _lse_merge over z'_j (NaN logits counted in n_nan, then treated
-    # as -inf), and the first maximum of key_j = z'_j + G_j (z'_j if GREEDY) with its z'.
+    # best_z): the statistics of z'_j = c z_j (softmax._row_block_stats: per-column sums, a NaN
+    # logit makes s NaN, n_nan = 0), and the first maximum of the key with its z'. Keys are in
+    # log2 units: key_j = z_j c log2(e) - log2(E_j) = log2(e) (z'_j + G_j), G_j = -log E_j
+    # (the raw z_j if GREEDY: the exact argmax of z, hence of z'). Each column keeps its own best
+    # (key, column, raw z) over the blocks (strict >: its earliest block wins a tie); the last
+    # step takes the largest key and, among equal ones, the smallest column: the first maximum
+    # of the whole range, with no cross-thread step per block but the row max.
+    # Noise: E_j = -log(1 - U_j) ~ Exp(1) (a series where 1 - U would lose the small values),
+    # U_j from Philox keyed by seed at counter row * ceil(V / 4) + j // 4, word j % 4 (one
+    # Philox call gives four columns' bits; lo and BLOCK_V are multiples of 4).
     NEG_INF: tl.constexpr = float("-inf")
-    m, s, w, n_nan = _lse_init()
-    best_key = tl.full((), NEG_INF, tl.float32)  # running max of z' + G
-    best_idx = tl.zeros((), dtype=tl.int64)  # its column (0 while every key is -inf)
-    best_z = tl.full((), NEG_INF, tl.float32)  # z' of the running winner
+    cols = tl.arange(0, BLOCK_V)
+    k = inv_temperature * _LOG2E
+    m = tl.full((), NEG_INF, tl.float32)
+    s_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    w_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    best_key = tl.full([BLOCK_V], NEG_INF, tl.float32)
+    best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)  # 0 while every key is -inf
+    best_z = tl.full([BLOCK_V], NEG_INF, tl.float32)  # raw z of each column's best
+    counter = row * ((V + 3) // 4)
     for start in range(lo, hi, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
-        inside = cols < hi
-        z = tl.load(row_ptr + cols.to(tl.int64) * stride_lv, mask=inside, other=NEG_INF)
-        z = z.to(tl.float32) * inv_temperature
-        m, s, w, n_nan, z = _lse_update(m, s, w, n_nan, z)  # NaNs counted, then -inf
+        j = start + cols
+        inside = j < hi
+        z = tl.load(row_ptr + j.to(tl.int64) * stride_lv, mask=inside, other=NEG_INF)
+        z = z.to(tl.float32)
+        m, s_acc, w_acc = _row_block_stats(z, m, s_acc, w_acc, k)
         if GREEDY:
             key = z
         else:
-            bits = tl.randint(seed, row * V + cols.to(tl.int64))  # uint32
+            r0, r1, r2, r3 = tl.randint4x(seed, counter + start // 4 + tl.arange(0, BLOCK_V // 4))
+            bits = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # 4i + l <- r_l[i]
             u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # U in (0, 1]
-            # E = -log(1 - U) ~ Exp(1); a series where 1 - U would lose the small values
-            expo = tl.where(u < 1e-4, u + 0.5 * u * u, -tl.log(1.0 - u))
-            key = z - tl.log(expo)
-        key = tl.where(inside & (z > NEG_INF), key, NEG_INF)
-        blk_best = tl.max(key, 0)
-        blk_idx = tl.argmax(key, 0)  # first maximum in the block
-        blk_z = tl.sum(tl.where(tl.arange(0, BLOCK_V) == blk_idx, z, 0.0), 0)
-        better = blk_best > best_key  # strict: the earliest block wins ties
-        best_key = tl.where(better, blk_best, best_key)
-        best_idx = tl.where(better, start + blk_idx.to(tl.int64), best_idx)
-        best_z = tl.where(better, blk_z, best_z)
-    return m, s, w, n_nan, best_key, best_idx, best_z
+            expo = tl.where(u < 1e-4, u + 0.5 * u * u, -_log2(1.0 - u) * _LN2)  # E
+            key = z * k - _log2(expo)
+        key = tl.where(z > NEG_INF, key, NEG_INF)  # masked, -inf and NaN logits never win
+        better = key > best_key
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, j.to(tl.int32), best_idx)  # j < V < 2^31
+        best_z = tl.where(better, z, best_z)
+    key = tl.max(best_key, axis=0)
+    first = tl.min(tl.where(best_key == key, best_idx, 2147483647), axis=0)
+    z_y = tl.max(tl.where(best_idx == first, best_z, NEG_INF), axis=0)
+    m, s, w, n_nan = _row_stats_finish(m, s_acc, w_acc, inv_temperature)
+    return m, s, w, n_nan, key, first.to(tl.int64), z_y * inv_temperature
 
 
 @triton.jit
@@ -158,7 +180,7 @@ def _sample_split_fwd_kernel(
 ):
     # split-V stage 1, grid (N, SPLITS): program (row, k) reduces the columns
     # k·CHUNK <= j < min((k + 1)·CHUNK, V) to its partials (same per-column noise as the
-    # one-program kernel: Philox counter row·V + j). The partials are in z' = z / τ_r units, so
+    # one-program kernel: Philox counter row·ceil(V/4) + j//4). The partials are in z' = z / τ_r units, so
     # the merge kernel needs no temperature.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -225,9 +247,9 @@ _F32 = torch.float32
 
 
 def _sample_warps(block_v: int, dtype: torch.dtype) -> int:
-    """num_warps of the sampling sweep: 16 for 2-byte logits at BLOCK_V 4096 (at 8 warps ptxas
-    holds the Philox sweep to 128 registers and spills, on sm_80 and sm_90a: compile_check),
-    8 from BLOCK_V 2048, else 4."""
+    """num_warps of the sampling sweep: 16 for 2-byte logits at BLOCK_V 4096 (8 logits a thread:
+    each column keeps five fp32 / int32 values across blocks, and at 8 warps the sweep holds
+    168-209 registers: compile_check), 8 from BLOCK_V 2048, else 4."""
     if block_v >= 4096 and dtype.itemsize <= 2:
         return 16
     return 8 if block_v >= 2048 else 4

@@ -8,15 +8,14 @@ and from the whole row's (m, s, w):
     lse = m + log s,   H = lse - sum_j p_j z'_j = log s - w / s,   logp_y = (z'_y - m) - log s
 max-shifted, so H has no cancellation at large logit offsets or low temperature. A -inf logit
 (a masked vocabulary entry) contributes 0; a NaN logit makes its row NaN, whatever the NaN
-semantics of max on the hardware (the row sweep lets it into s; the sampler's sweep counts it in
-n_nan and leaves it out).
+semantics of max on the hardware (the row sweep lets it into s).
 
 `@triton.jit` helpers (inlined into the kernels that call them), then host helpers:
-  * `_row_stats_sweep` (with `_row_block_stats`, `_exp2`): a row's (m, s, w), BLOCK_V logits at a
-    time into per-column accumulators, one cross-thread max per block (the policy-loss kernels);
+  * `_row_stats_sweep` (with `_row_block_stats`, `_row_stats_finish`, `_exp2`, `_log2`): a row's
+    (m, s, w), BLOCK_V logits at a time into per-column accumulators, one cross-thread max per
+    block (the policy-loss kernels; the sampler's sweep is built from its parts);
   * `_lse_merge`: log-sum-exp merge of a block of partial (m, s, w) into running scalars;
-  * `_lse_init`, `_lse_update`: the running statistics of a row read BLOCK_V logits at a time,
-    merged into scalars at every block (the sampler);
+  * `_lse_init`: the statistics of no terms (the split-V merge kernels start from it);
   * `_lse_store_partials`, `_lse_merge_partials`: split-V stage 1 writes a slice's partials,
     stage 2 merges a row's partials (a NaN s_k marks a slice that held a NaN logit);
   * `_lse_finish`: (log s, lse, H) of a row, NaN where it held a NaN logit;
@@ -68,103 +67,6 @@ def _lse_init():
     w = tl.zeros((), dtype=tl.float32)
     n_nan = tl.zeros((), dtype=tl.int32)
     return m, s, w, n_nan
-
-
-@triton.jit
-def _lse_update(m, s, w, n_nan, z):
-    # Fold a block z (BLOCK,) fp32 of scaled logits z' (masked-out columns -inf) into the running
-    # statistics: NaN entries are counted in n_nan, then treated as -inf. Returns the updated
-    # (m, s, w, n_nan) and the block with its NaNs replaced by -inf.
-    is_nan = z != z
-    n_nan += tl.sum(is_nan.to(tl.int32), axis=0)
-    z = tl.where(is_nan, float("-inf"), z)
-    m, s, w = _lse_merge(m, s, w, z, 1.0, 0.0)
-    return m, s, w, n_nan, z
-
-
-# --------------------------------------------------------------------------- a row, swept in blocks
-_LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2 e)
-_MIN_F32 = tl.constexpr(-3.4028234663852886e38)  # the lowest finite fp32
-
-
-@triton.jit
-def _interpret_probe():
-    pass
-
-
-# Whether triton runs these kernels in its interpreter (TRITON_INTERPRET=1, read by triton when it
-# decorated them): numpy there, no inline PTX.
-_INTERPRET = tl.constexpr(not isinstance(_interpret_probe, triton.runtime.JITFunction))
-
-
-@triton.jit
-def _exp2(x):
-    # 2^x of fp32 x, element-wise. Compiled: one ex2.approx.ftz.f32 (MUFU.EX2). tl.exp2 emits the
-    # non-ftz ex2.approx.f32, which ptxas expands to a compare and two predicated multiplies per
-    # element so as to return results below 2^-126 (1.2e-38) as denormals; here they are 0. A
-    # probability or gradient entry of that size is 0 in every use (bf16 / fp16 gradients, sums
-    # of terms >= 1). Relative error of the approximation: 2 ulp (PTX ISA), as tl.exp2's.
-    # Interpreted: numpy's exp2 (denormals kept).
-    if _INTERPRET:
-        return tl.exp2(x)
-    else:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-
-
-@triton.jit
-def _row_block_stats(z, m, s_acc, w_acc, k):
-    # Fold a block z (BLOCK,) fp32 of raw logits (masked-out columns -inf) into the running
-    # statistics of its row: a scalar m = max of the raw z so far and per-column accumulators
-    # s_acc, w_acc (BLOCK,) with, over the blocks seen,
-    #     s_acc = sum exp(c (z - m)),   w_acc = sum exp(c (z - m)) (z - m)       (c = 1 / tau)
-    # k = c log2 e, so that exp(c (z - m)) = 2^((z - m) k). The only cross-thread step per block
-    # is its max; when it raises m (a few blocks per row) the accumulators are rescaled:
-    #     a = exp(c (m_old - m)),   w_acc <- a (w_acc + s_acc (m_old - m)),   s_acc <- a s_acc
-    # (from m_old = -inf: a = 0 on accumulators that are 0). Per logit: a max, a subtract, a clamp,
-    # a multiply, an exp2, and three adds / multiplies into s_acc and w_acc.
-    # -inf logits contribute 0 (z - m is clamped to the lowest finite fp32 first, so that
-    # exp * (z - m) is 0 * finite, not 0 * -inf). A NaN logit, or a +inf one (inf - inf), makes
-    # its column's s_acc NaN, hence the row's s, lse and H (the clamp propagates NaN; the block
-    # max may or may not, which changes nothing: s is NaN either way).
-    m_new = tl.maximum(m, tl.max(z, axis=0))
-    if m_new > m:
-        d_m = tl.maximum(m - m_new, _MIN_F32)
-        a = _exp2(d_m * k)
-        w_acc = a * (w_acc + s_acc * d_m)
-        s_acc = a * s_acc
-        m = m_new
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: z - 0 = -inf, exp = 0
-    d = tl.maximum(z - m_safe, _MIN_F32, propagate_nan=tl.PropagateNan.ALL)
-    e = _exp2(d * k)
-    return m, s_acc + e, w_acc + e * d
-
-
-@triton.jit
-def _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V: tl.constexpr):
-    # The statistics of z' = c z (c = inv_temp > 0) over the columns lo <= j < hi of one row
-    # (pointer row_ptr, fp32 / bf16 / fp16, stride 1), read BLOCK_V at a time: whole blocks
-    # without a mask, then the masked rest. Returns (m, s, w, n_nan) as _lse_finish and
-    # _lse_store_partials take them: m = max z' = c max z (rounding is monotonic for c > 0),
-    # s = sum exp(z' - m), w = c sum exp(z' - m) (z - max z) = sum exp(z' - m) (z' - m) up to
-    # rounding; n_nan = 0 (a NaN or +inf logit makes s NaN instead: _row_block_stats).
-    cols = tl.arange(0, BLOCK_V)
-    k = inv_temp * _LOG2E
-    m = tl.full((), float("-inf"), tl.float32)
-    s_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    w_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    whole = lo + (hi - lo) // BLOCK_V * BLOCK_V
-    for start in range(lo, whole, BLOCK_V):
-        z = tl.load(row_ptr + start + cols).to(tl.float32)
-        m, s_acc, w_acc = _row_block_stats(z, m, s_acc, w_acc, k)
-    if whole < hi:
-        offs = whole + cols
-        z = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-        m, s_acc, w_acc = _row_block_stats(z, m, s_acc, w_acc, k)
-    s = tl.sum(s_acc, axis=0)
-    w = tl.sum(w_acc, axis=0) * inv_temp
-    return m * inv_temp, s, w, tl.zeros((), dtype=tl.int32)
 
 
 @triton.jit
