@@ -223,7 +223,7 @@ def sweep_costs(report: dict) -> list[dict]:
                     "launch": what, "kernel": cfg.name, "num_warps": cfg.num_warps,
                     "BLOCK_V": dict(cfg.constexprs)["BLOCK_V"], "logits_per_thread": per,
                     "sweep": loop["kind"], "hot_per_logit": loop["hot_per_logit"],
-                    "exp_per_logit": round(loop["mufu"] / per, 2),
+                    "mufu_per_logit": round(loop["mufu"] / per, 2),
                     "barriers_per_block": loop["barriers"], "registers": r["registers"],
                 })  # fmt: skip
     return rows
@@ -297,14 +297,14 @@ def markdown(data: dict, full: bool = True, root: str = "") -> str:
             f"about {N * V / (132 * 4 * 32 * 1.98e9) * 1e3:.2f} ms of issue time.",
             "",
             "| launch | kernel | warps | logits a thread | sweep | instructions per logit | "
-            "exp per logit | barriers per block | registers |",
+            "MUFU (exp2 / log2) per logit | barriers per block | registers |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in data["sweeps"]:
             lines.append(
                 f"| {r['launch']} | `{r['kernel']}` | {r['num_warps']} | "
                 f"{r['logits_per_thread']:g} | {r['sweep']} | {r['hot_per_logit']:.1f} | "
-                f"{r['exp_per_logit']:.2f} | {r['barriers_per_block']} | {r['registers']} |"
+                f"{r['mufu_per_logit']:.2f} | {r['barriers_per_block']} | {r['registers']} |"
             )
     shape = budget["shape"]
     gpus = list(budget["bandwidth_TBs"])

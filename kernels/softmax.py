@@ -69,6 +69,112 @@ def _lse_init():
     return m, s, w, n_nan
 
 
+# --------------------------------------------------------------------------- a row, swept in blocks
+_LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2 e)
+_LN2 = tl.constexpr(0.6931471805599453)  # log x = log2(x) ln 2
+_MIN_F32 = tl.constexpr(-3.4028234663852886e38)  # the lowest finite fp32
+
+
+@triton.jit
+def _interpret_probe():
+    pass
+
+
+# Whether triton runs these kernels in its interpreter (TRITON_INTERPRET=1, read by triton when it
+# decorated them): numpy there, no inline PTX.
+_INTERPRET = tl.constexpr(not isinstance(_interpret_probe, triton.runtime.JITFunction))
+
+
+@triton.jit
+def _exp2(x):
+    # 2^x of fp32 x, element-wise. Compiled: one ex2.approx.ftz.f32 (MUFU.EX2). tl.exp2 emits the
+    # non-ftz ex2.approx.f32, which ptxas expands to a compare and two predicated multiplies per
+    # element so as to return results below 2^-126 (1.2e-38) as denormals; here they are 0. A
+    # probability or gradient entry of that size is 0 in every use (bf16 / fp16 gradients, sums
+    # of terms >= 1). Relative error of the approximation: 2 ulp (PTX ISA), as tl.exp2's.
+    # Interpreted: numpy's exp2 (denormals kept).
+    if _INTERPRET:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _log2(x):
+    # log2 of fp32 x > 0, element-wise: one lg2.approx.ftz.f32 compiled (tl.log2's non-ftz form
+    # adds a compare, a multiply and an add per element for denormal inputs, which flush to 0
+    # here: log2 = -inf); numpy's log2 interpreted.
+    if _INTERPRET:
+        return tl.log2(x)
+    else:
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def _row_block_stats(z, m, s_acc, w_acc, k):
+    # Fold a block z (BLOCK,) fp32 of raw logits (masked-out columns -inf) into the running
+    # statistics of its row: a scalar m = max of the raw z so far and per-column accumulators
+    # s_acc, w_acc (BLOCK,) with, over the blocks seen,
+    #     s_acc = sum exp(c (z - m)),   w_acc = sum exp(c (z - m)) (z - m)       (c = 1 / tau)
+    # k = c log2 e, so that exp(c (z - m)) = 2^((z - m) k). The only cross-thread step per block
+    # is its max; when it raises m (a few blocks per row) the accumulators are rescaled:
+    #     a = exp(c (m_old - m)),   w_acc <- a (w_acc + s_acc (m_old - m)),   s_acc <- a s_acc
+    # (from m_old = -inf: a = 0 on accumulators that are 0). Per logit: a max, a subtract, a clamp,
+    # a multiply, an exp2, and three adds / multiplies into s_acc and w_acc.
+    # -inf logits contribute 0 (z - m is clamped to the lowest finite fp32 first, so that
+    # exp * (z - m) is 0 * finite, not 0 * -inf). A NaN logit, or a +inf one (inf - inf), makes
+    # its column's s_acc NaN, hence the row's s, lse and H (the clamp propagates NaN; the block
+    # max may or may not, which changes nothing: s is NaN either way).
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    if m_new > m:
+        d_m = tl.maximum(m - m_new, _MIN_F32)
+        a = _exp2(d_m * k)
+        w_acc = a * (w_acc + s_acc * d_m)
+        s_acc = a * s_acc
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf so far: z - 0 = -inf, exp = 0
+    d = tl.maximum(z - m_safe, _MIN_F32, propagate_nan=tl.PropagateNan.ALL)
+    e = _exp2(d * k)
+    return m, s_acc + e, w_acc + e * d
+
+
+@triton.jit
+def _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V: tl.constexpr):
+    # The statistics of z' = c z (c = inv_temp > 0) over the columns lo <= j < hi of one row
+    # (pointer row_ptr, fp32 / bf16 / fp16, stride 1), read BLOCK_V at a time: whole blocks
+    # without a mask, then the masked rest. Returns (m, s, w, n_nan) as _lse_finish and
+    # _lse_store_partials take them: m = max z' = c max z (rounding is monotonic for c > 0),
+    # s = sum exp(z' - m), w = c sum exp(z' - m) (z - max z) = sum exp(z' - m) (z' - m) up to
+    # rounding; n_nan = 0 (a NaN or +inf logit makes s NaN instead: _row_block_stats).
+    cols = tl.arange(0, BLOCK_V)
+    k = inv_temp * _LOG2E
+    m = tl.full((), float("-inf"), tl.float32)
+    s_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    w_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    whole = lo + (hi - lo) // BLOCK_V * BLOCK_V
+    for start in range(lo, whole, BLOCK_V):
+        z = tl.load(row_ptr + start + cols).to(tl.float32)
+        m, s_acc, w_acc = _row_block_stats(z, m, s_acc, w_acc, k)
+    if whole < hi:
+        offs = whole + cols
+        z = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        m, s_acc, w_acc = _row_block_stats(z, m, s_acc, w_acc, k)
+    return _row_stats_finish(m, s_acc, w_acc, inv_temp)
+
+
+@triton.jit
+def _row_stats_finish(m, s_acc, w_acc, inv_temp):
+    # (m, s, w, n_nan) in z' = c z units from the raw running max m and the per-column sums of
+    # _row_block_stats (c = inv_temp): m' = c m, s = sum s_acc, w = c sum w_acc, n_nan = 0.
+    s = tl.sum(s_acc, axis=0)
+    w = tl.sum(w_acc, axis=0) * inv_temp
+    return m * inv_temp, s, w, tl.zeros((), dtype=tl.int32)
+
+
 @triton.jit
 def _lse_store_partials(part_m_ptr, part_s_ptr, part_w_ptr, out, m, s, w, n_nan):
     # split-V stage 1: a slice's partials at flat index `out` of the (N, SPLITS) fp32 scratch;

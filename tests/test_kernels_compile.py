@@ -263,3 +263,23 @@ def test_gae_scan_launches_its_config(launched):
     G.gae_scan(rewards, values, torch.ones(2, 40), 0.9, 0.8)
     expected = G.gae_scan_configs(2, 40, torch.float32, values_dtype=torch.bfloat16)
     assert launched == _as_launched(expected)
+
+
+def test_row_sweeps_issue_few_instructions_per_logit(report):
+    """The hot loops of the row sweeps, compiled for sm_90a at the byte budget's shape (bf16,
+    V = 151936), stay within a per-logit instruction budget and take at most two barriers a
+    block (the row max). Reducing each block to scalars, as the sweeps did before 2026-11-27,
+    cost about 30 instructions a logit in the statistics sweep, 18 in the gradient sweep and
+    180 in the sampler, with 12-15 barriers a block: such a loop fails here."""
+    rows = _kernel_report().sweep_costs(report)
+    launches = {r["launch"] for r in rows}
+    assert len(launches) == len(_kernel_report().SWEEP_LAUNCHES), launches
+    for r in rows:
+        budget = 60 if r["kernel"].startswith("_sample") else 16
+        if r["sweep"] == "statistics" and not r["kernel"].startswith("_sample"):
+            budget = 14
+        assert r["hot_per_logit"] <= budget, r
+        assert r["barriers_per_block"] <= 2, r
+        # one exp2 a logit (and the rare rescale); the sampler adds two log2 for its noise
+        mufu = 3.25 if r["kernel"].startswith("_sample") else 1.25
+        assert r["mufu_per_logit"] <= mufu, r
