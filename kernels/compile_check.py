@@ -310,6 +310,8 @@ def sass(cubin: bytes) -> list[tuple[int, str]]:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
         out = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise RuntimeError(f"{tool} -sass failed ({out.returncode}): {out.stderr[-2000:]}")
     return [(int(m[1], 16), m[2]) for m in map(_SASS_LINE.match, out.stdout.splitlines()) if m]
 
 
@@ -339,7 +341,11 @@ def sweeps(cubin: bytes, cfg) -> list[dict]:
     for lo, hi in loops:
         if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):
             continue  # not innermost
-        cold = sum(to - i - 1 for i, to in branches if lo <= i < to <= hi)
+        skipped = set()  # instructions a forward branch inside the loop jumps over (once)
+        for i, to in branches:
+            if lo <= i < to <= hi:
+                skipped.update(range(i + 1, to))
+        cold = len(skipped)
         body = [_opcode(ins) for _, ins in code[lo : hi + 1]]
         mufu, stores = body.count("MUFU"), body.count("STG")
         kind = "statistics" if mufu and not stores else "gradient" if mufu else "store"

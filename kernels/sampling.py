@@ -164,7 +164,7 @@ def _sample_split_fwd_kernel(
     part_m_ptr,  # (N, SPLITS) fp32 out: max z' of the slice
     part_s_ptr,  # (N, SPLITS) fp32 out: Σ e^(z' - m) of the slice; NaN if it holds a NaN logit
     part_w_ptr,  # (N, SPLITS) fp32 out: Σ e^(z' - m)·(z' - m) of the slice
-    part_key_ptr,  # (N, SPLITS) fp32 out: max of z' + G over the slice
+    part_key_ptr,  # (N, SPLITS) fp32 out: max key over the slice (log2(e) (z' + G); raw z if GREEDY)
     part_idx_ptr,  # (N, SPLITS) int64 out: its column (first maximum)
     part_z_ptr,  # (N, SPLITS) fp32 out: its z'
     V,
@@ -269,7 +269,9 @@ def sample_rows_configs(
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (softmax._split_config;
     `split_chunk` forces it as in sample_rows); `row_temp`: a temperature per row (ROW_TEMP; never
     with `greedy`, which ignores the temperature). Example arguments: logits (N, V) contiguous."""
-    block_v = min(4096, next_power_of_2(V))
+    block_v = min(4096, max(4, next_power_of_2(V)))  # >= 4: one Philox call serves 4 columns
+    if split_chunk:  # slices start at multiples of 4 (the Philox word of column j is j % 4)
+        split_chunk = -(-split_chunk // 4) * 4
     splits, chunk = _split_config(N, V, block_v, device_sms, split_chunk)  # not cached: tests spy
     row_temp = bool(row_temp) and not greedy
     return _sample_rows_configs(N, V, dtype, bool(greedy), splits, chunk, row_temp)
@@ -277,7 +279,7 @@ def sample_rows_configs(
 
 @functools.lru_cache(maxsize=256)
 def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[LaunchConfig, ...]:
-    block_v = min(4096, next_power_of_2(V))
+    block_v = min(4096, max(4, next_power_of_2(V)))
     logits = {"logits_ptr": Ptr(dtype), "seed_ptr": Ptr(torch.int64)}
     outs = {"tokens_ptr": Ptr(torch.int64), "logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32)}
     strides = {"stride_ln": V, "stride_lv": 1, "inv_temperature": 1.0, "inv_temp_ptr": Ptr(_F32)}

@@ -11,7 +11,7 @@ max-shifted, so H has no cancellation at large logit offsets or low temperature.
 semantics of max on the hardware (the row sweep lets it into s).
 
 `@triton.jit` helpers (inlined into the kernels that call them), then host helpers:
-  * `_row_stats_sweep` (with `_row_block_stats`, `_row_stats_finish`, `_exp2`, `_log2`): a row's
+  * `_row_stats_sweep` (with `_row_block_stats`, `_row_stats_finish`, `_exp2`, `_log2`: _ftz): a row's
     (m, s, w), BLOCK_V logits at a time into per-column accumulators, one cross-thread max per
     block (the policy-loss kernels; the sampler's sweep is built from its parts);
   * `_lse_merge`: log-sum-exp merge of a block of partial (m, s, w) into running scalars;
@@ -87,31 +87,34 @@ _INTERPRET = tl.constexpr(not isinstance(_interpret_probe, triton.runtime.JITFun
 
 @triton.jit
 def _exp2(x):
-    # 2^x of fp32 x, element-wise. Compiled: one ex2.approx.ftz.f32 (MUFU.EX2). tl.exp2 emits the
-    # non-ftz ex2.approx.f32, which ptxas expands to a compare and two predicated multiplies per
-    # element so as to return results below 2^-126 (1.2e-38) as denormals; here they are 0. A
-    # probability or gradient entry of that size is 0 in every use (bf16 / fp16 gradients, sums
-    # of terms >= 1). Relative error of the approximation: 2 ulp (PTX ISA), as tl.exp2's.
-    # Interpreted: numpy's exp2 (denormals kept).
-    if _INTERPRET:
-        return tl.exp2(x)
-    else:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
+    # 2^x of fp32 x, element-wise (_ftz: results below 2^-126 are 0)
+    return _ftz(x, "ex2.approx.ftz.f32 $0, $1;", True)
 
 
 @triton.jit
 def _log2(x):
-    # log2 of fp32 x > 0, element-wise: one lg2.approx.ftz.f32 compiled (tl.log2's non-ftz form
-    # adds a compare, a multiply and an add per element for denormal inputs, which flush to 0
-    # here: log2 = -inf); numpy's log2 interpreted.
+    # log2 of fp32 x > 0, element-wise (_ftz: inputs below 2^-126 give -inf)
+    return _ftz(x, "lg2.approx.ftz.f32 $0, $1;", False)
+
+
+@triton.jit
+def _ftz(x, ASM: tl.constexpr, EXP2: tl.constexpr):
+    # Compiled: the one MUFU instruction of ASM (ex2 / lg2 .approx.ftz.f32). tl.exp2 / tl.log2
+    # emit the non-ftz .approx.f32 forms, which ptxas expands with a compare and two predicated
+    # multiplies (or a multiply and an add) per element so as to return / take denormals (below
+    # 2^-126 = 1.2e-38); here those flush to 0: a probability below 1.2e-38 becomes 0 (its
+    # gradient entry too, which the interpreter and the torch path keep as a denormal): nothing
+    # next to the row's sums (>= 1) or to any gradient entry a bf16 / fp16 row holds at normal
+    # range. The sampler's noise never takes the log of a denormal. The approximation is the one
+    # tl.exp2 / tl.log2 use.
+    # Interpreted: numpy's exp2 (EXP2) / log2, denormals kept.
     if _INTERPRET:
-        return tl.log2(x)
+        if EXP2:
+            return tl.exp2(x)
+        else:
+            return tl.log2(x)
     else:
-        return tl.inline_asm_elementwise(
-            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
+        return tl.inline_asm_elementwise(ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
