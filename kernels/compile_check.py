@@ -348,8 +348,10 @@ def sweeps(cubin: bytes, cfg) -> list[dict]:
         cold = len(skipped)
         body = [_opcode(ins) for _, ins in code[lo : hi + 1]]
         mufu, stores = body.count("MUFU"), body.count("STG")
-        kind = "statistics" if mufu and not stores else "gradient" if mufu else "store"
-        kind = kind if stores or mufu else "other"
+        if mufu:
+            kind = "gradient" if stores else "statistics"
+        else:
+            kind = "store" if stores else "other"
         hot = len(body) - cold
         out.append({
             "kind": kind, "instructions": len(body), "cold": cold, "hot": hot,

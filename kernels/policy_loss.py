@@ -114,24 +114,15 @@ def _token_stats_fwd_kernel(
 ):
     # one program per row (grid (B * T,)): one online pass over the whole row keeps, relative
     # to the running max m,  s = sum_j exp(z'_j - m)  and  w = sum_j exp(z'_j - m) * (z'_j - m)
-    # (_token_stats_slice), so that H = log s - w / s has no cancellation (both terms >= 0)
+    # (_row_stats_sweep), so that H = log s - w / s has no cancellation (both terms >= 0)
     # whatever the offset of the logits or the temperature.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
     inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-    m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
+    m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
     _token_stats_store(
         row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
     )
-
-
-@triton.jit
-def _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V: tl.constexpr):
-    # Statistics of z'_j = z_j / tau over the columns lo <= j < hi of one row:
-    # (m, s, w, n_nan) with m = max z', s = sum exp(z' - m), w = sum exp(z' - m) (z' - m)
-    # (-inf logits contribute 0) and n_nan = 0: a NaN logit makes s NaN (softmax._row_stats_sweep:
-    # per-column accumulators, one cross-thread max per block of BLOCK_V).
-    return _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V)
 
 
 @triton.jit
@@ -172,14 +163,14 @@ def _token_stats_split_fwd_kernel(
 ):
     # split-V stage 1, grid (B * T, SPLITS): program (row, k) reduces the slice
     # k * CHUNK <= j < min((k + 1) * CHUNK, V) of its row to the partial (m_k, s_k, w_k) of
-    # _token_stats_slice; _token_stats_merge_fwd_kernel combines them per row.
+    # _row_stats_sweep; _token_stats_merge_fwd_kernel combines them per row.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
     inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
-    m, s, w, n_nan = _token_stats_slice(row_ptr, lo, hi, inv_temp, BLOCK_V)
+    m, s, w, n_nan = _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V)
     _lse_store_partials(part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + split, m, s, w, n_nan)
 
 
@@ -481,7 +472,7 @@ def _policy_loss_fwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     # A token-separable policy loss with each row in ONE program: the row's statistics
-    # (_token_stats_slice), then g = c_t dL_t/dlogp_t (_token_dloss_dlogp) and h = -c_t c_H,
+    # (_row_stats_sweep), then g = c_t dL_t/dlogp_t (_token_dloss_dlogp) and h = -c_t c_H,
     # then SPEC 6's gradient (_row_grad_store): one launch, no per-row statistics stored for a
     # second kernel and no O(N) autograd between them. Grid (G,): program p takes rows p, p + G,
     # ... (G = N by default, `_rows_in_flight`: a persistent grid small enough for the second
@@ -489,7 +480,7 @@ def _policy_loss_fwd_kernel(
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
         row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
         inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-        m, s, w, n_nan = _token_stats_slice(row_ptr, 0, V, inv_temp, BLOCK_V)
+        m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
         logp, lse, entropy, log_s = _token_stats_store(
             row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
         )
