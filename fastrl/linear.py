@@ -53,7 +53,7 @@ from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
 )
 from .config import LossConfig
 from .packing import check_cu_seqlens, packing_for_rows
-from .terms import PolicyLossOutput, policy_output
+from .terms import PolicyLossOutput
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
 
@@ -350,7 +350,7 @@ def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wan
         )  # fmt: skip
         logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
     with torch.no_grad():
-        out = policy_output(logp, entropy, x)
+        out = ops.policy_output(logp, entropy, x)
     if not wants_grad:
         return out, None
     return out, [dh.view(hidden.shape), dw] + ([] if bias is None else [db])
@@ -383,7 +383,7 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), x,
             float(logit_scale), cap, plan, wants_grad,
         )  # fmt: skip
-        out = policy_output(logp, entropy, x)
+        out = ops.policy_output(logp, entropy, x)
     if wants_grad:
         dh, dw, db = grads
         grads = [dh.view(hidden.shape), dw] + ([] if bias is None else [db])

@@ -146,14 +146,14 @@ def policy_loss(
             _check_inplace(logits)
         logp, entropy, grad = _policy_grad(x, inplace)
         with torch.no_grad():
-            out = policy_output(logp, entropy, x)
+            out = ops.policy_output(logp, entropy, x)
         if inplace and not _compiling():  # a slice base[:, a:b]: the base's storage is handed on
             out.loss = ops.attach_inplace_grad(out.loss, logits, x.logits, grad)
         else:
             out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:
         logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature)
-        out = policy_output(logp, entropy, x)
+        out = ops.policy_output(logp, entropy, x)
     if check_finite:
         _check_finite(out.loss, logp)
     return out

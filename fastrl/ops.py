@@ -368,6 +368,70 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     return kernels.stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
 
 
+# --------------------------------------------------------------------------- loss and metrics
+def policy_output(logp: Tensor, entropy: Tensor, x):
+    """`fastrl.terms.policy_output` (the loss, kl, ratio and metrics of SPEC 1-5 from logp and
+    H), with the per-token math of a token-separable loss on the Triton backend in one O(N)
+    kernel and a handful of reductions (`kernels.policy_terms`) instead of about 50 torch ops,
+    each a launch on a GPU. Taken when no gradient flows through it (the fused losses attach
+    theirs, computed in the forward; a no-grad call) and not while torch.compile traces (its
+    fusion of the torch math is better there); otherwise, and on the torch backend, the torch
+    math itself."""
+    from . import terms
+
+    cfg = x.config
+    wants_grad = torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad)
+    if (
+        wants_grad
+        or not terms.is_token_separable(cfg)
+        or backend_for(logp.device) != "triton"
+        or torch.compiler.is_compiling()
+    ):
+        return terms.policy_output(logp, entropy, x)
+    from .kernels import policy_terms
+
+    N = x.mask.numel()
+
+    def flat(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach().reshape(N).float().contiguous()
+
+    mask = terms.Masked(x.mask)
+    is_w = {}
+    if cfg.rollout_is is not None:  # token level here (is_token_separable)
+        old = logp.detach() if x.old_logp is None else x.old_logp
+        is_w = terms.rollout_is_weights(cfg, old, x.rollout_logp, x.mask)
+    inputs = terms.TokenGradTerms(
+        weight=flat(terms.aggregation_weights(x)), advantages=flat(x.advantages),
+        old_logp=flat(x.old_logp), ref_logp=flat(x.ref_logp), is_weight=flat(is_w.get("is_weight")),
+        policy=cfg.policy, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        clip_dual=cfg.clip_dual, clip_delta=cfg.clip_delta, kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
+        entropy_coef=cfg.entropy_coef, sapo_tau_pos=cfg.sapo_tau_pos,
+        sapo_tau_neg=cfg.sapo_tau_neg,
+    )  # fmt: skip
+    kl, ratio, totals, top = policy_terms.policy_terms(
+        flat(logp), flat(entropy), flat(x.mask), inputs
+    )
+    # masked means as terms.masked_means forms them: 0 when nothing counts
+    any_counted = totals[1] > 0
+    means = torch.where(any_counted, totals[2:] / totals[1].clamp(min=1e-20), mask.zero)
+    metrics = dict(zip(policy_terms.SUMS[2:], means.unbind(0)))
+    metrics["ratio_max"] = torch.where(any_counted, top, mask.zero)
+    if is_w:
+        w_mean, over = terms.masked_means([is_w["is_weight"], is_w["is_over_cap"]], mask)
+        w_max = terms.masked_max(is_w["is_weight_raw"], mask)
+        metrics.update(is_weight_mean=w_mean, is_clipfrac=over, is_weight_max=w_max)
+    shape = x.mask.shape
+    return terms.PolicyLossOutput(
+        loss=totals[0],
+        logp=x.unflatten(logp.detach()),
+        entropy=x.unflatten(entropy.detach()),
+        kl=x.unflatten(kl.view(shape)),
+        metrics={k: metrics[k] for k in terms.METRICS if k in metrics},
+        ratio=x.unflatten(ratio.view(shape)),
+    )
+
+
 # --------------------------------------------------------------------------- the policy-loss ops
 def _stats_fake(logits, n: int):
     B, T, _ = logits.shape

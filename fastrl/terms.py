@@ -25,6 +25,11 @@ from .config import AGGS, LossConfig
 
 LOG_RATIO_CLAMP = 20.0  # SPEC 1 / 3: exp(clamp(x, -20, 20)), verl's clamp
 LOW_VAR_KL_CLAMP = 10.0  # SPEC 4: verl's clamp of k3
+# the metrics of a policy loss, in the order PolicyLossOutput.metrics holds them (the last three
+# with rollout IS only)
+METRICS = ("clipfrac", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "kl",
+           "entropy", "ratio_mean", "ratio_max", "is_weight_mean", "is_weight_max",
+           "is_clipfrac")  # fmt: skip
 
 
 @dataclass
@@ -182,16 +187,37 @@ def aggregate(
 
 def aggregation_weights(x: PolicyInputs) -> Tensor:
     """c_t = d loss / d L_t (B, T): the aggregation of SPEC 5 is linear in the per-token losses,
-    so loss = Σ_t c_t L_t, with c_t known from the mask and the counts alone (autograd of
-    `aggregate` itself, so the two never disagree). Packed inputs: (1, N), computed on the
+    so loss = Σ_t c_t L_t, with c_t known from the mask and the counts alone: c_t = s_i m_t where
+    token t counts (0 elsewhere), s_i the derivative of `aggregate` w.r.t. a masked sum (its
+    normaliser's reciprocal: 1 / num_tokens, 1 / (|y_i| num_seqs), ...). Formed in closed form
+    with the operations autograd of `aggregate` runs, in its order (bitwise its numbers:
+    tests/test_policy_loss.py checks every aggregation against autograd), in a few launches and
+    no autograd engine call: it runs on every loss call. Packed inputs: (1, N), computed on the
     padded sequences."""
     if x.packing is not None:
         return x.packing.unpad(aggregation_weights(x.packing.padded_inputs(x)))
-    with torch.enable_grad():
-        zeros = torch.zeros_like(x.mask, requires_grad=True)
-        loss = aggregate(zeros, x.mask, x.config.agg, x.num_tokens, x.num_seqs, x.config.max_len)
-        (weights,) = torch.autograd.grad(loss, zeros)
-    return weights
+    m = Masked(x.mask)
+    B, T = m.mask.shape
+    device = m.mask.device
+    agg, num_seqs = x.config.agg, x.num_seqs
+    num_seqs = max(B, 1) if num_seqs is None else _positive_count(num_seqs, device)
+    one = torch.ones((), dtype=torch.float32, device=device)  # d loss / d loss
+    if agg == "token-mean":
+        local_tokens, any_counted, _ = m.count()
+        num_tokens = local_tokens if x.num_tokens is None else x.num_tokens
+        scale = torch.where(any_counted, one / _positive_count(num_tokens, device), m.zero)
+    elif agg == "seq-mean-token-mean":
+        scale = ((one / num_seqs).expand(B) / m.lengths().clamp(min=1))[:, None]  # (B, 1)
+    elif agg == "seq-mean-token-sum":
+        scale = one / num_seqs
+    elif agg == "seq-mean-token-sum-norm":
+        max_len = max(T, 1) if x.config.max_len is None else x.config.max_len
+        scale = one / (num_seqs * max_len)
+    elif agg == "token-sum":
+        scale = one
+    else:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
+    return torch.where(m.counted, scale, m.zero) * m.mask
 
 
 # --------------------------------------------------------------------------- policy loss
@@ -447,10 +473,7 @@ def _terms_and_metrics(logp: Tensor, entropy: Tensor, x: PolicyInputs):
         metrics["ratio_max"] = masked_max(ratio, mask)
         if t.is_weight is not None:
             metrics["is_weight_max"] = masked_max(t.is_weight_raw, mask)
-        order = ("clipfrac", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "kl",
-                 "entropy", "ratio_mean", "ratio_max", "is_weight_mean", "is_weight_max",
-                 "is_clipfrac")  # fmt: skip
-        metrics = {k: metrics[k] for k in order if k in metrics}
+        metrics = {k: metrics[k] for k in METRICS if k in metrics}
     return loss, t.kl.detach(), t.ratio.detach(), metrics
 
 

@@ -5,7 +5,7 @@
 
 The launch configurations come from the launchers' own `*_configs` functions
 (policy_loss.row_stats_configs, row_grad_configs, scale_configs, sampling.sample_rows_configs,
-gae.gae_scan_configs), called over a grid of shapes: V from 1000 to 262144, few rows (decode:
+gae.gae_scan_configs, policy_terms.policy_terms_configs), called over a grid of shapes: V from 1000 to 262144, few rows (decode:
 split-V) and many, fp32 / bf16 / fp16 logits, both values of every constexpr flag (ROW_TEMP: a
 scalar or a per-row temperature), two SM counts.
 Identical configurations (same kernel, constexprs, warps and pointer element types: `_key`)
@@ -68,6 +68,7 @@ def launcher_calls():
         row_stats_configs,
         scale_configs,
     )
+    from .policy_terms import policy_terms_configs
     from .sampling import sample_rows_configs
 
     for dtype in LOGIT_DTYPES:
@@ -101,6 +102,9 @@ def launcher_calls():
                             )
                 for cfg in scale_configs(N, V, dtype):
                     yield f"scale_(R={N}, C={V}, {dt})", cfg
+    for N in ROWS:
+        for cfg in policy_terms_configs(N):
+            yield f"policy_terms(N={N})", cfg
     for dtype in VALUE_DTYPES:
         for T in GAE_STEPS:
             for cfg in gae_scan_configs(64, T, torch.float32, values_dtype=dtype):

@@ -25,7 +25,7 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
   persistent, for measurements): for a
   token-separable loss (fastrl.terms.is_token_separable: the loss is sum_t c_t L_t(logp_t, H_t))
   the two above in ONE program: the row's statistics, then g = c_t dL_t/dlogp_t written out here
-  (`_token_dloss_dlogp`: SPEC 1-4's derivative with autograd's conventions) and h = -c_t c_H,
+  (`policy_terms._token_terms`: SPEC 1-4's derivative with autograd's conventions) and h = -c_t c_H,
   then the gradient sweep. FASTRL_ONE_PASS=0 keeps the two-kernel path.
 * `_scale_grad_kernel` (kernels/scale.py, re-exported here): grad *= the upstream gradient,
   skipped on the device when it is 1.
@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
+from .policy_terms import KL_CODES, POLICY_CODES, SWITCHES, _token_terms
 from .scale import _scale_grad_kernel, scale_, scale_configs  # noqa: F401 (backend interface)
 from .softmax import (
     _LOG2E,
@@ -330,108 +331,7 @@ def _grad_block(z, inv_temp, shift, log_s, entropy, gc, hc, HAS_GRAD_ENTROPY: tl
         return p * gc
 
 
-# Codes of the runtime (not constexpr) switches of _policy_loss_fwd_kernel: one compiled kernel
-# serves every token-separable option; the per-row scalar math costs nothing next to the row.
-POLICY_CODES = {"ppo": 0, "cispo": 1, "sapo": 2, "reinforce": 3}
-KL_CODES = {None: -1, "k1": 0, "abs": 1, "k2": 2, "k3": 3, "low_var_kl": 4}
-_LOG_RATIO_CLAMP = tl.constexpr(20.0)  # fastrl.terms.LOG_RATIO_CLAMP (SPEC 1 / 3)
-_LOW_VAR_KL_CLAMP = tl.constexpr(10.0)  # fastrl.terms.LOW_VAR_KL_CLAMP (SPEC 4)
-
-
-@triton.jit
-def _clamp_grad(x, lo, hi, dx):
-    # clamp(x, lo, hi) and its derivative: dx where lo <= x <= hi (both ends included, as
-    # torch.clamp's backward), else 0.
-    inside = (x >= lo) & (x <= hi)
-    return tl.minimum(tl.maximum(x, lo), hi), tl.where(inside, dx, 0.0)
-
-
-@triton.jit
-def _max_grad(a, b, da, db):
-    # torch.maximum(a, b) and its derivative (a tie splits it half and half, as autograd does)
-    d = tl.where(a > b, da, tl.where(a < b, db, 0.5 * (da + db)))
-    return tl.maximum(a, b), d
-
-
-@triton.jit
-def _token_dloss_dlogp(
-    logp,
-    adv,
-    old,
-    ref,
-    is_weight,
-    policy,
-    ratio_lo,
-    ratio_hi,
-    has_dual,
-    clip_dual,
-    clip_delta,
-    kl_coef,
-    kl_est,
-    kl_bias,
-    sapo_tau_pos,
-    sapo_tau_neg,
-):
-    # dL_t / dlogp_t of SPEC 1-4 for one token of a token-separable loss (fp32 scalars): what
-    # autograd of fastrl.terms.token_terms gives, with its conventions (clamp ends included, a
-    # tie of max / min split in half, nothing through the detached parts). The caller multiplies
-    # by c_t = dloss / dL_t.
-    #   r = exp(clamp(logp - old, -20, 20)), dr = r inside the clamp, else 0
-    lr = logp - old
-    lr_c, dlr = _clamp_grad(lr, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP, 1.0)
-    r = tl.exp(lr_c)
-    dr = r * dlr
-    cr, dcr = _clamp_grad(r, ratio_lo, ratio_hi, dr)  # clip(r, 1 - eps_low, 1 + eps_high)
-    # ppo: max(-A min(r, delta), -A clip(r)), then for A < 0 the dual clip min(., -A c)
-    u, du = _clamp_grad(r, float("-inf"), clip_delta, dr)  # clip_delta = +inf: none
-    pg, d_ppo = _max_grad(-adv * u, -adv * cr, -adv * du, -adv * dcr)
-    pg3 = -adv * clip_dual
-    d_dual = tl.where(pg < pg3, d_ppo, tl.where(pg > pg3, 0.0, 0.5 * d_ppo))
-    d_ppo = tl.where((has_dual != 0) & (adv < 0.0), d_dual, d_ppo)
-    # cispo: -sg(clip(r)) A logp;  reinforce: -A logp
-    d_cispo = -cr * adv
-    # sapo: -sigmoid(tau (r - 1)) (4 / tau) A, tau by the sign of A
-    tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
-    sig = tl.sigmoid(tau * (r - 1.0))
-    d_sapo = -4.0 * adv * sig * (1.0 - sig) * dr
-    d_pg = tl.where(
-        policy == 0, d_ppo, tl.where(policy == 1, d_cispo, tl.where(policy == 2, d_sapo, -adv))
-    )
-    g = is_weight * d_pg
-    if kl_est >= 0:
-        # KL to the reference, x = ref - logp (dx / dlogp = -1)
-        x = ref - logp
-        e = tl.exp(x)
-        kl = -x  # k1
-        d_kl = 1.0 + 0.0 * x
-        if kl_est == 1:  # abs
-            kl = tl.abs(x)
-            d_kl = -tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
-        elif kl_est == 2:  # k2
-            kl = 0.5 * x * x
-            d_kl = -x
-        elif kl_est == 3:  # k3
-            kl = e - x - 1.0
-            d_kl = 1.0 - e
-        elif kl_est == 4:  # low_var_kl: clamp(k3(clamp(x, +-20)), +-10)
-            x_c, dx_c = _clamp_grad(x, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP, -1.0)
-            e_c = tl.exp(x_c)
-            kl, d_kl = _clamp_grad(
-                e_c - x_c - 1.0, -_LOW_VAR_KL_CLAMP, _LOW_VAR_KL_CLAMP, (e_c - 1.0) * dx_c
-            )
-        if kl_bias != 0:  # kl * r (token-level bias correction)
-            d_kl = d_kl * r + kl * dr
-            if kl_est == 3:  # inside the clamp (dr = r) k3's sum is -x r: formed directly, as
-                # its two terms of size e^x r cancel (fastrl.terms._k3_times_ratio_slope)
-                d_kl = tl.where(dlr != 0.0, -x * r, d_kl)
-        g += kl_coef * d_kl
-    return g
-
-
-_SWITCHES = ["has_old", "has_is", "policy", "has_dual", "kl_est", "kl_bias"]
-
-
-@triton.jit(do_not_specialize=_SWITCHES)  # one binary for every option (a 1 is not a constant)
+@triton.jit(do_not_specialize=SWITCHES)  # one binary for every option (a 1 is not a constant)
 def _policy_loss_fwd_kernel(
     logits_ptr,  # (B, T, V) fp32 / bf16 / fp16, stride over V is 1
     tokens_ptr,  # (B * T,) int32 / int64, contiguous
@@ -472,7 +372,7 @@ def _policy_loss_fwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     # A token-separable policy loss with each row in ONE program: the row's statistics
-    # (_row_stats_sweep), then g = c_t dL_t/dlogp_t (_token_dloss_dlogp) and h = -c_t c_H,
+    # (_row_stats_sweep), then g = c_t dL_t/dlogp_t (policy_terms._token_terms) and h = -c_t c_H,
     # then SPEC 6's gradient (_row_grad_store): one launch, no per-row statistics stored for a
     # second kernel and no O(N) autograd between them. Grid (G,): program p takes rows p, p + G,
     # ... (G = N by default, `_rows_in_flight`: a persistent grid small enough for the second
@@ -495,10 +395,11 @@ def _policy_loss_fwd_kernel(
         is_weight = 1.0 + 0.0 * c
         if has_is != 0:
             is_weight = tl.load(is_weight_ptr + row)
-        g = c * _token_dloss_dlogp(
+        _, dloss, _, _, _ = _token_terms(
             logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
             clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
         )  # fmt: skip
+        g = c * dloss
         # an uncounted token (c = 0): g = 0 exactly, even where its logp is NaN (0 · NaN); a
         # counted one with a NaN logp (a NaN / +inf logit in its row): g = NaN, so its row's
         # gradient is NaN (a clamp's derivative would give g = 0, and g = h = 0 writes zeros)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fastrl.kernels import policy_loss as PL
+from fastrl.kernels import policy_terms as PT
 from test_kernels_compile import _as_launched
 from test_policy_loss import assert_match, make_batch, run_both
 
@@ -141,19 +142,22 @@ def test_which_kernels_run(monkeypatch, launched):
         fastrl.policy_loss(x, **rest, **kw).loss.backward()
         return [name for name, *_ in launched if name != "_scale_grad_kernel"]
 
-    one_pass = ["_policy_loss_fwd_kernel"]
+    # every token-separable loss then has its per-token terms and metrics formed in one O(N)
+    # kernel (ops.policy_output); a sequence-level one in torch
+    terms = ["_policy_terms_fwd_kernel"]
+    one_pass = ["_policy_loss_fwd_kernel", *terms]
     two_pass = ["_token_stats_fwd_kernel", "_token_stats_bwd_kernel"]
     assert kernels(batch, config="grpo") == one_pass
     x, tokens = batch["logits"].clone().requires_grad_(), batch["tokens"]
-    expected = PL.policy_rows_configs(24, 37, torch.float32, False)
+    expected = PL.policy_rows_configs(24, 37, torch.float32, False) + PT.policy_terms_configs(24)
     launched.clear()
     fastrl.policy_loss(x, tokens, batch["advantages"], batch["old_logp"], config="dapo")
     assert launched == _as_launched(expected)
     assert kernels(batch, config="gspo") == two_pass
     rollout = {k: v for k, v in _batch().items() if k != "old_logp"}
-    assert kernels(rollout, config="grpo", rollout_is="token") == two_pass
+    assert kernels(rollout, config="grpo", rollout_is="token") == two_pass + terms
     monkeypatch.setenv("FASTRL_ONE_PASS", "0")
-    assert kernels(batch, config="grpo") == two_pass
+    assert kernels(batch, config="grpo") == two_pass + terms
     monkeypatch.setenv("FASTRL_ONE_PASS", "1")
     decode = make_batch(1, 2, 70000)  # 2 rows of 70000: split-V
     assert kernels(decode, config="grpo")[0] == "_token_stats_split_fwd_kernel"
@@ -172,4 +176,4 @@ def test_lm_head_path_runs_one_pass(monkeypatch, launched):
     batch = make_linear(B=2, T=5, H=8, V=37)
     compare(batch, chunk_size=4, config="dapo", entropy_coef=0.01, kl_coef=0.05)
     names = [name for name, *_ in launched if name != "_scale_grad_kernel"]
-    assert names and set(names) == {"_policy_loss_fwd_kernel"}
+    assert names and set(names) == {"_policy_loss_fwd_kernel", "_policy_terms_fwd_kernel"}

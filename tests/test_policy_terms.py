@@ -1,0 +1,156 @@
+"""The per-token terms kernel (kernels/policy_terms.py) against the torch math it replaces on the
+Triton backend: `ops.policy_output` (loss, kl, ratio and metrics of a token-separable loss from
+logp and H in one O(N) launch) must give what `terms.policy_output` gives, option by option, on
+odd sizes, fractional / empty masks, NaNs the mask excludes and NaNs it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import INTERPRET
+from test_one_pass import CASES
+
+from fastrl import ops, terms
+from fastrl._inputs import prepare_policy_inputs
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (no CUDA)")
+
+
+def _per_token(B, T, seed=0, mask="frac"):
+    """logp, H and the per-token inputs of a (B, T) batch whose log-ratios straddle every clip."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g) * 4
+    spread = (torch.rand(B, T, generator=g) - 0.5) * 1.4
+    m = (torch.rand(B, T, generator=g) > 0.3) * (0.5 + torch.rand(B, T, generator=g))
+    if mask == "bool":
+        m = m > 0
+    elif mask == "empty":
+        m = torch.zeros(B, T)
+    return dict(
+        logp=logp,
+        entropy=torch.rand(B, T, generator=g) * 3,
+        advantages=torch.randn(B, generator=g),
+        old_logp=logp - spread,
+        ref_logp=logp + spread.flip(-1),
+        rollout_logp=logp - spread + 0.3 * torch.randn(B, T, generator=g),
+        mask=m,
+    )
+
+
+def _outputs(inp, kw, backend, monkeypatch, **extra):
+    """(ops.policy_output on `backend`, terms.policy_output) of the same inputs."""
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    kw = dict(kw)
+    config = kw.pop("config", None)
+    rest = {k: v for k, v in inp.items() if k not in ("logp", "entropy")}
+    if "rollout_is" not in kw:
+        rest.pop("rollout_logp")
+    rest.update(extra)
+    x = prepare_policy_inputs(
+        None, None, rest.pop("advantages"), rest.pop("old_logp", None), rest.pop("ref_logp"),
+        rest.pop("mask"), rest.pop("rollout_logp", None), config, kw, per_token=inp["logp"],
+        **rest,
+    )  # fmt: skip
+    logp = inp["logp"].reshape(x.mask.shape)
+    entropy = inp["entropy"].reshape(x.mask.shape)
+    with torch.no_grad():
+        return ops.policy_output(logp, entropy, x), terms.policy_output(logp, entropy, x)
+
+
+def _assert_same(a, b):
+    """Equal to fp32 rounding (k3 = e^x - x - 1 keeps an ulp of e^x: atol 1e-6 at |x| ~ 1)."""
+    close = lambda u, v, what: torch.testing.assert_close(  # noqa: E731
+        u, v, rtol=2e-6, atol=1e-6, equal_nan=True, msg=lambda m: f"{what}: {m}"
+    )
+    close(a.loss, b.loss, "loss")
+    for name in ("logp", "entropy", "kl", "ratio"):
+        u, v = getattr(a, name), getattr(b, name)
+        assert u.shape == v.shape and u.dtype == v.dtype == torch.float32, name
+        close(u, v, name)
+    assert list(a.metrics) == list(b.metrics)  # the same names, in the same order
+    for k in a.metrics:
+        assert a.metrics[k].shape == () and not a.metrics[k].requires_grad, k
+        close(a.metrics[k], b.metrics[k], f"metric {k}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("B,T", [(3, 8), (5, 517)], ids=["one-program", "three-programs"])
+def test_terms_kernel_matches_torch(case, B, T, monkeypatch, launched):
+    """Every token-separable option of test_one_pass, on one program and on several (N = 2585
+    tokens: partial sums added on the device); the kernel ran (not the torch fallback)."""
+    inp = _per_token(B, T)
+    fused, torch_math = _outputs(inp, CASES[case], "triton", monkeypatch)
+    _assert_same(fused, torch_math)
+    assert [name for name, *_ in launched] == ["_policy_terms_fwd_kernel"]
+    assert torch.isfinite(fused.loss) and fused.metrics["ratio_max"] > 1
+
+
+@pytest.mark.parametrize("mask", ["bool", "empty"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_terms_kernel_masks_and_counts(mask, agg, monkeypatch):
+    """Bool and empty masks (nothing counted: loss 0 and metrics 0, never NaN), each aggregation,
+    global counts as tensors; NaN / inf at tokens the mask excludes reach nothing."""
+    inp = _per_token(4, 33, seed=1, mask=mask)
+    out = inp["mask"] == 0
+    inp["logp"] = inp["logp"].masked_fill(out, float("nan"))
+    inp["old_logp"] = inp["old_logp"].masked_fill(out, float("inf"))
+    inp["entropy"] = inp["entropy"].masked_fill(out, float("nan"))
+    kw = dict(config="grpo", agg=agg, entropy_coef=0.01, clip_dual=2.0)
+    kw.update(num_tokens=torch.tensor(50.0), num_seqs=torch.tensor(3.0))
+    fused, torch_math = _outputs(inp, kw, "triton", monkeypatch)
+    _assert_same(fused, torch_math)
+    assert torch.isfinite(fused.loss)
+    assert all(torch.isfinite(v) for v in fused.metrics.values())
+    if mask == "empty":
+        assert fused.loss == 0 and all(v == 0 for v in fused.metrics.values())
+        assert torch.equal(fused.ratio, torch.ones_like(fused.ratio))
+
+
+@pytest.mark.parametrize("where", ["logp", "old_logp"])
+@pytest.mark.parametrize("config", ["grpo", "dapo", "cispo", "sapo"])
+def test_terms_kernel_nan_where_it_counts(config, where, monkeypatch):
+    """A NaN log-prob (or old log-prob) at a counted token makes the loss and the metrics that
+    read it NaN (the largest ratio included), as the torch math does: never a finite number
+    (the kernel's min / max / clamp keep NaNs, as torch's do)."""
+    inp = _per_token(2, 40, seed=2, mask="bool")
+    counted = tuple(inp["mask"].nonzero()[0])
+    inp[where][counted] = float("nan")
+    kw = dict(config=config) if config != "sapo" else dict(policy="sapo")
+    fused, torch_math = _outputs(inp, kw, "triton", monkeypatch)
+    _assert_same(fused, torch_math)
+    assert fused.loss.isnan() and fused.metrics["ratio_max"].isnan()
+    assert fused.ratio[counted].isnan() and fused.metrics["approx_kl"].isnan()
+
+
+def test_terms_kernel_flat_and_packed(monkeypatch, launched):
+    """Flat (N,) inputs and packed sequences (cu_seqlens, per-sequence advantages): the weights
+    c_t carry the sequences, the kernel runs on the flat rows."""
+    inp = {k: v.reshape(-1) for k, v in _per_token(1, 30, seed=3).items() if k != "advantages"}
+    inp["advantages"] = torch.tensor([0.5, -1.0, 2.0])
+    cu = torch.tensor([0, 7, 19, 30])
+    kw = dict(config="grpo", entropy_coef=0.02)
+    fused, torch_math = _outputs(inp, kw, "triton", monkeypatch, cu_seqlens=cu)
+    _assert_same(fused, torch_math)
+    assert fused.kl.shape == (30,) and [n for n, *_ in launched] == ["_policy_terms_fwd_kernel"]
+    inp["advantages"] = torch.randn(30)
+    _assert_same(*_outputs(inp, dict(config="dapo"), "triton", monkeypatch))
+
+
+def test_torch_math_where_the_kernel_does_not_apply(monkeypatch, launched):
+    """Sequence-level options, a gradient wanted through logp (policy_loss_from_logprobs) and the
+    torch backend keep the torch math (no launch)."""
+    inp = _per_token(3, 8)
+    _assert_same(*_outputs(inp, dict(config="gspo"), "triton", monkeypatch))
+    kw = dict(config="grpo", rollout_is="sequence", rollout_is_cap=2.0)
+    _assert_same(*_outputs(inp, kw, "triton", monkeypatch))
+    _assert_same(*_outputs(inp, dict(config="grpo"), "torch", monkeypatch))
+    assert launched == []
+    monkeypatch.setenv("FASTRL_BACKEND", "triton")
+    x = prepare_policy_inputs(
+        None, None, inp["advantages"], inp["old_logp"], inp["ref_logp"], inp["mask"], None,
+        "grpo", {}, per_token=inp["logp"],
+    )  # fmt: skip
+    logp = inp["logp"].clone().requires_grad_()
+    out = ops.policy_output(logp, inp["entropy"], x)
+    out.loss.backward()
+    assert launched == [] and logp.grad.abs().sum() > 0
