@@ -581,3 +581,64 @@ def test_dynamic_sampling_filter(impl):
     kept = impl.dynamic_sampling_filter(R, 2)
     assert kept.tolist() == [1, 3]
     assert impl.dynamic_sampling_filter(torch.ones(4), 2).tolist() == []
+
+
+def _weights_by_autograd(x):
+    """c_t = d aggregate / d L_t by autograd of terms.aggregate (how aggregation_weights formed
+    them before its closed form)."""
+    from fastrl import terms
+
+    if x.packing is not None:
+        return x.packing.unpad(_weights_by_autograd(x.packing.padded_inputs(x)))
+    zeros = torch.zeros_like(x.mask, requires_grad=True)
+    cfg = x.config
+    loss = terms.aggregate(zeros, x.mask, cfg.agg, x.num_tokens, x.num_seqs, cfg.max_len)
+    return torch.autograd.grad(loss, zeros)[0]
+
+
+@pytest.mark.parametrize("agg", [*ALL_AGGS, "token-sum"])
+@pytest.mark.parametrize("shape", [(0, 4), (1, 1), (3, 5), (7, 13)], ids=str)
+@pytest.mark.parametrize("mask", ["fractional", "bool", "empty"])
+@pytest.mark.parametrize("counts", ["local", "numbers", "tensors", "nan", "inf-and-zero"])
+def test_aggregation_weights_are_autograds_bitwise(agg, shape, mask, counts):
+    """terms.aggregation_weights' closed form gives autograd of terms.aggregate bit for bit
+    (NaN where autograd's is NaN): every aggregation, empty batches and masks, fractional
+    masks, global counts as numbers, tensors, and tensors that are not finite numbers > 0."""
+    from fastrl import terms
+    from fastrl._inputs import prepare_policy_inputs
+
+    g = torch.Generator().manual_seed(sum(shape))
+    B, T = shape
+    m = torch.rand(B, T, generator=g) * 3 * (torch.rand(B, T, generator=g) > 0.3)
+    m = {"fractional": m, "bool": m > 0, "empty": torch.zeros(B, T)}[mask]
+    overrides = {
+        "local": {},
+        "numbers": dict(num_tokens=7.0, num_seqs=3.0, max_len=11),
+        "tensors": dict(num_tokens=torch.tensor(7.3), num_seqs=torch.tensor(2.9)),
+        "nan": dict(num_tokens=torch.tensor(float("nan")), num_seqs=torch.tensor(float("nan"))),
+        "inf-and-zero": dict(num_tokens=torch.tensor(float("inf")), num_seqs=torch.tensor(0.0)),
+    }[counts]
+    x = prepare_policy_inputs(
+        None, torch.zeros(B, T, dtype=torch.long), torch.randn(B, T, generator=g), None, None, m,
+        None, "ppo", dict(agg=agg, **overrides), per_token=torch.zeros(B, T),
+    )  # fmt: skip
+    got, want = terms.aggregation_weights(x), _weights_by_autograd(x)
+    assert got.shape == want.shape == (B, T) and got.dtype == want.dtype == torch.float32
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_aggregation_weights_of_packed_sequences():
+    """Packed rows (cu_seqlens): the weights of the padded sequences, brought back to (1, N)."""
+    from fastrl import terms
+    from fastrl._inputs import prepare_policy_inputs
+
+    m = (torch.arange(20) % 3 != 0).float()
+    cu = torch.tensor([0, 4, 13, 20])
+    for agg in ALL_AGGS:
+        x = prepare_policy_inputs(
+            None, torch.zeros(20, dtype=torch.long), torch.randn(3), None, None, m, None, "ppo",
+            dict(agg=agg, max_len=9), per_token=torch.zeros(20), cu_seqlens=cu,
+        )  # fmt: skip
+        got, want = terms.aggregation_weights(x), _weights_by_autograd(x)
+        assert got.shape == (1, 20) and torch.equal(got, want), agg
