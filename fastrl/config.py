@@ -307,11 +307,29 @@ def resolve_config(config: LossConfig | str | None, overrides: dict[str, Any]) -
     """The config a loss call uses: `config` (a LossConfig, a preset name or None = ppo) with
     keyword `overrides` of LossConfig fields applied."""
     if config is None:
-        config = LossConfig()
+        config = _preset_named("ppo")
     elif isinstance(config, str):
-        config = LossConfig.preset(config)
+        config = _preset_named(config)
     elif not isinstance(config, LossConfig):
         raise ValueError(
             f"config must be a LossConfig, a preset name or None, got {type(config).__name__}"
         )
     return config.replace(**overrides) if overrides else config
+
+
+_PRESETS_MADE: dict[str, LossConfig] = {}
+
+
+def _preset_named(name: str) -> LossConfig:
+    """`LossConfig.preset(name)`, made once per name (a LossConfig is frozen, so one instance
+    serves every call): building and validating it took about 80 us of host time, on every loss
+    call that names its preset. Inside a torch.compile trace it is made afresh (no global state
+    there)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return LossConfig.preset(name)
+    config = _PRESETS_MADE.get(name)
+    if config is None:
+        config = _PRESETS_MADE[name] = LossConfig.preset(name)  # raises on an unknown name
+    return config

@@ -299,3 +299,19 @@ def test_device_mismatch(impl, arg):
     kwargs[arg] = torch.empty_like(kwargs[arg], device="meta")
     with pytest.raises(ValueError, match=arg):
         impl.policy_loss(**kwargs, kl_coef=0.1)
+
+
+def test_a_preset_name_is_made_once_and_shared():
+    """resolve_config makes each named preset once (LossConfig is frozen: one instance serves
+    every call) and never lets a call's overrides reach it."""
+    from fastrl.config import resolve_config
+
+    first = resolve_config("grpo", {})
+    assert resolve_config("grpo", {}) is first and first == LossConfig.grpo()
+    assert resolve_config(None, {}) is resolve_config("ppo", {}) == LossConfig()
+    changed = resolve_config("grpo", {"kl_coef": 0.5})
+    assert changed.kl_coef == 0.5 and first.kl_coef == 0.04 and changed is not first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.kl_coef = 1.0
+    with pytest.raises(ValueError, match="unknown LossConfig preset"):
+        resolve_config("grpo2", {})
