@@ -396,19 +396,7 @@ def policy_output(logp: Tensor, entropy: Tensor, x):
         return None if t is None else t.detach().reshape(N).float().contiguous()
 
     mask = terms.Masked(x.mask)
-    is_w = {}
-    if cfg.rollout_is is not None:  # token level here (is_token_separable)
-        old = logp.detach() if x.old_logp is None else x.old_logp
-        is_w = terms.rollout_is_weights(cfg, old, x.rollout_logp, x.mask)
-    inputs = terms.TokenGradTerms(
-        weight=flat(terms.aggregation_weights(x)), advantages=flat(x.advantages),
-        old_logp=flat(x.old_logp), ref_logp=flat(x.ref_logp), is_weight=flat(is_w.get("is_weight")),
-        policy=cfg.policy, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        clip_dual=cfg.clip_dual, clip_delta=cfg.clip_delta, kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
-        entropy_coef=cfg.entropy_coef, sapo_tau_pos=cfg.sapo_tau_pos,
-        sapo_tau_neg=cfg.sapo_tau_neg,
-    )  # fmt: skip
+    inputs = terms.token_grad_terms(x, terms.aggregation_weights(x), logp)
     kl, ratio, totals, top = policy_terms.policy_terms(
         flat(logp), flat(entropy), flat(x.mask), inputs
     )
@@ -417,7 +405,9 @@ def policy_output(logp: Tensor, entropy: Tensor, x):
     means = torch.where(any_counted, totals[2:] / totals[1].clamp(min=1e-20), mask.zero)
     metrics = dict(zip(policy_terms.SUMS[2:], means.unbind(0)))
     metrics["ratio_max"] = torch.where(any_counted, top, mask.zero)
-    if is_w:
+    if cfg.rollout_is is not None:  # token level here (is_token_separable)
+        old = logp.detach() if x.old_logp is None else x.old_logp
+        is_w = terms.rollout_is_weights(cfg, old, x.rollout_logp, x.mask)
         w_mean, over = terms.masked_means([is_w["is_weight"], is_w["is_over_cap"]], mask)
         w_max = terms.masked_max(is_w["is_weight_raw"], mask)
         metrics.update(is_weight_mean=w_mean, is_clipfrac=over, is_weight_max=w_max)

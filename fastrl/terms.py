@@ -289,24 +289,31 @@ class TokenGradTerms:
     sapo_tau_neg: float
 
 
-def token_grad_terms(x: PolicyInputs, weights: Tensor) -> TokenGradTerms | None:
+def token_grad_terms(
+    x: PolicyInputs, weights: Tensor, logp: Tensor | None = None
+) -> TokenGradTerms | None:
     """The TokenGradTerms of x's token-separable loss (`is_token_separable`) with aggregation
     weights c_t (`aggregation_weights`, x's layout), or None when a per-token input depends on
-    the logits themselves (rollout IS without old_logp: w_t = exp(logp_t - rollout_t))."""
+    the logits themselves (rollout IS without old_logp: w_t = exp(logp_t - rollout_t)).
+    With the per-token `logp` (for the loss's value and metrics, `kernels.policy_terms`): never
+    None (that w_t is formed from it), and ref_logp is kept whenever given (the kl metric, also
+    with kl_coef = 0)."""
     cfg = x.config
-    if cfg.rollout_is is not None and x.old_logp is None:
+    if cfg.rollout_is is not None and x.old_logp is None and logp is None:
         return None
-    N = x.tokens.numel()
+    N = x.mask.numel()
 
     def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.detach().reshape(N).float().contiguous()
 
     is_weight = None
     if cfg.rollout_is is not None:
-        is_weight = rollout_is_weights(cfg, x.old_logp, x.rollout_logp, x.mask)["is_weight"]
+        old = x.old_logp if x.old_logp is not None else logp.detach()
+        is_weight = rollout_is_weights(cfg, old, x.rollout_logp, x.mask)["is_weight"]
+    with_ref = cfg.kl_coef != 0 or logp is not None
     return TokenGradTerms(
         weight=flat(weights), advantages=flat(x.advantages), old_logp=flat(x.old_logp),
-        ref_logp=flat(x.ref_logp) if cfg.kl_coef != 0 else None, is_weight=flat(is_weight),
+        ref_logp=flat(x.ref_logp) if with_ref else None, is_weight=flat(is_weight),
         policy=cfg.policy, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         clip_dual=cfg.clip_dual, clip_delta=cfg.clip_delta, kl_coef=cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
