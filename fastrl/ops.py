@@ -381,8 +381,12 @@ def policy_output(logp: Tensor, entropy: Tensor, x):
 
     cfg = x.config
     wants_grad = torch.is_grad_enabled() and (logp.requires_grad or entropy.requires_grad)
+    # (the kl of a sequence-ratio bias correction couples a sequence's tokens: with kl_coef = 0
+    # the loss is still token-separable, its kl output and metric are not)
+    seq_kl = cfg.kl_bias_correction and cfg.kl_bias_ratio == "sequence" and x.ref_logp is not None
     if (
         wants_grad
+        or seq_kl
         or not terms.is_token_separable(cfg)
         or backend_for(logp.device) != "triton"
         or torch.compiler.is_compiling()
@@ -411,9 +415,14 @@ def policy_output(logp: Tensor, entropy: Tensor, x):
         w_mean, over = terms.masked_means([is_w["is_weight"], is_w["is_over_cap"]], mask)
         w_max = terms.masked_max(is_w["is_weight_raw"], mask)
         metrics.update(is_weight_mean=w_mean, is_clipfrac=over, is_weight_max=w_max)
+    loss = totals[0]  # Σ_t c_t L_t
+    if cfg.agg.startswith("seq-") and isinstance(x.num_seqs, Tensor):
+        # a count that is not a finite number > 0 makes `aggregate` NaN even where nothing
+        # counts (every c_t is 0 there): the same here, never a finite loss from a bad count
+        loss = loss + 0.0 * terms._positive_count(x.num_seqs, loss.device)
     shape = x.mask.shape
     return terms.PolicyLossOutput(
-        loss=totals[0],
+        loss=loss,
         logp=x.unflatten(logp.detach()),
         entropy=x.unflatten(entropy.detach()),
         kl=x.unflatten(kl.view(shape)),

@@ -190,9 +190,10 @@ def aggregation_weights(x: PolicyInputs) -> Tensor:
     so loss = Σ_t c_t L_t, with c_t known from the mask and the counts alone: c_t = s_i m_t where
     token t counts (0 elsewhere), s_i the derivative of `aggregate` w.r.t. a masked sum (its
     normaliser's reciprocal: 1 / num_tokens, 1 / (|y_i| num_seqs), ...). Formed in closed form
-    with the operations autograd of `aggregate` runs, in its order (bitwise its numbers:
-    tests/test_policy_loss.py checks every aggregation against autograd), in a few launches and
-    no autograd engine call: it runs on every loss call. Packed inputs: (1, N), computed on the
+    with the operations autograd of `aggregate` runs, in its order (bitwise its numbers for a
+    mask of finite values >= 0, what check_mask accepts: tests/test_spec_tables.py checks every
+    aggregation against autograd), in a few launches and no autograd engine call: it runs on
+    every loss call. Packed inputs: (1, N), computed on the
     padded sequences."""
     if x.packing is not None:
         return x.packing.unpad(aggregation_weights(x.packing.padded_inputs(x)))
@@ -266,15 +267,16 @@ def rollout_is_weights(
 
 @dataclass(frozen=True)
 class TokenGradTerms:
-    """A token-separable policy loss as the one-pass Triton kernel takes it
-    (fastrl.kernels.policy_loss.policy_rows_): loss = sum_t c_t L_t(logp_t, H_t), so g_t and h_t
-    follow from each row alone. Per-token tensors fp32 (N,) contiguous on the logits' device;
-    the constants under LossConfig's names (SPEC 1-5)."""
+    """A token-separable policy loss as the Triton kernels take it (the one-pass kernel,
+    fastrl.kernels.policy_loss.policy_rows_, for its gradient; kernels.policy_terms for its value
+    and metrics): loss = sum_t c_t L_t(logp_t, H_t), so g_t and h_t follow from each row alone.
+    Per-token tensors fp32 (N,) contiguous on the logits' device; the constants under
+    LossConfig's names (SPEC 1-5)."""
 
     weight: Tensor  # c_t = d loss / d L_t (`aggregation_weights`; 0 where the mask is 0)
     advantages: Tensor  # A_t
     old_logp: Tensor | None  # None: pi_old = pi (r = 1)
-    ref_logp: Tensor | None  # None: no KL term
+    ref_logp: Tensor | None  # None: no KL (given with kl_coef = 0: for the kl metric only)
     is_weight: Tensor | None  # the detached token-level rollout IS weight w_t; None: 1
     policy: str
     clip_low: float
@@ -283,7 +285,7 @@ class TokenGradTerms:
     clip_delta: float | None
     kl_coef: float
     kl_estimator: str
-    kl_bias_correction: bool  # token level (is_token_separable): kl * r
+    kl_bias_correction: bool  # kl * r, token level (kernels take no sequence-ratio one)
     entropy_coef: float
     sapo_tau_pos: float
     sapo_tau_neg: float

@@ -5,8 +5,8 @@
 
 The launch configurations come from the launchers' own `*_configs` functions
 (policy_loss.row_stats_configs, row_grad_configs, scale_configs, sampling.sample_rows_configs,
-gae.gae_scan_configs, policy_terms.policy_terms_configs), called over a grid of shapes: V from 1000 to 262144, few rows (decode:
-split-V) and many, fp32 / bf16 / fp16 logits, both values of every constexpr flag (ROW_TEMP: a
+gae.gae_scan_configs, policy_terms.policy_terms_configs), called over a grid of shapes: V from
+1000 to 262144, few rows (decode: split-V) and many, fp32 / bf16 / fp16 logits, both values of every constexpr flag (ROW_TEMP: a
 scalar or a per-row temperature), two SM counts.
 Identical configurations (same kernel, constexprs, warps and pointer element types: `_key`)
 compile once, with the argument specialization of the first launch that chose them. Each is

@@ -392,7 +392,7 @@ def _policy_loss_fwd_kernel(
         ref = logp
         if kl_est >= 0:
             ref = tl.load(ref_ptr + row)
-        is_weight = 1.0 + 0.0 * c
+        is_weight = tl.zeros_like(c) + 1.0
         if has_is != 0:
             is_weight = tl.load(is_weight_ptr + row)
         _, dloss, _, _, _ = _token_terms(

@@ -93,7 +93,7 @@ def _token_terms(
     #   loss  = w l + beta kl (beta kl only when kl_est >= 0 and beta != 0; the entropy term is
     #           the caller's), dloss = d loss / d logp (autograd's conventions; the caller
     #           multiplies by c_t), r the ratio, kl the KL estimate (0 when kl_est < 0), dual 1.0
-    #           where the dual clip bites.
+    #           where ppo's dual clip bites (0 for the other policies, which have none).
     # A NaN (a NaN logp or old_logp at a counted token) reaches every value it touches, as in
     # torch; a derivative through the ratio's clamp is 0 there, as autograd's.
     #   r = exp(clamp(logp - old, -20, 20)), dr = r inside the clamp, else 0
@@ -106,7 +106,7 @@ def _token_terms(
     u, du = _clamp_grad(r, float("-inf"), clip_delta, dr)  # clip_delta = +inf: none
     pg, d_ppo = _max_grad(-adv * u, -adv * cr, -adv * du, -adv * dcr)
     pg3 = -adv * clip_dual
-    dual_on = (has_dual != 0) & (adv < 0.0)
+    dual_on = (policy == 0) & (has_dual != 0) & (adv < 0.0)  # ppo's dual clip only
     dual = tl.where(dual_on & (pg > pg3), 1.0, 0.0)
     d_dual = tl.where(pg < pg3, d_ppo, tl.where(pg > pg3, 0.0, 0.5 * d_ppo))
     d_ppo = tl.where(dual_on, d_dual, d_ppo)
@@ -127,13 +127,13 @@ def _token_terms(
     )
     loss = is_weight * l_pg
     g = is_weight * d_pg
-    kl = 0.0 * r
+    kl = tl.zeros_like(r)  # (0 * r would be NaN where r is)
     if kl_est >= 0:
         # KL to the reference, x = ref - logp (dx / dlogp = -1)
         x = ref - logp
         e = tl.exp(x)
         kl = -x  # k1
-        d_kl = 1.0 + 0.0 * x
+        d_kl = tl.zeros_like(x) + 1.0  # (0 * x: NaN at x = inf, a -inf logp)
         if kl_est == 1:  # abs
             kl = tl.abs(x)
             d_kl = -tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
@@ -214,7 +214,7 @@ def _policy_terms_fwd_kernel(
     ref = logp
     if kl_est >= 0:
         ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
-    is_weight = 1.0 + 0.0 * logp
+    is_weight = tl.zeros_like(logp) + 1.0  # (0 * logp: NaN at logp = -inf)
     if has_is != 0:
         is_weight = tl.load(is_weight_ptr + offs, mask=inb, other=1.0)
     loss, _, r, kl, dual = _token_terms(

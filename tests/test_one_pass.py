@@ -177,3 +177,19 @@ def test_lm_head_path_runs_one_pass(monkeypatch, launched):
     compare(batch, chunk_size=4, config="dapo", entropy_coef=0.01, kl_coef=0.05)
     names = [name for name, *_ in launched if name != "_scale_grad_kernel"]
     assert names and set(names) == {"_policy_loss_fwd_kernel", "_policy_terms_fwd_kernel"}
+
+
+@pytest.mark.parametrize("kw", [dict(config="dapo"), dict(kl_coef=0.1, kl_estimator="k1")])
+def test_one_pass_minus_inf_logit_at_the_token(kw, monkeypatch):
+    """A -inf logit at a counted token's own y (logp = -inf: a masked vocabulary entry that was
+    sampled): the ratio's clamp keeps the loss and gradient finite, as in the reference (the
+    kernels formed a 1 as 1 + 0 * x, NaN at x = inf: a NaN loss, and with k1 a NaN row)."""
+    monkeypatch.setenv("FASTRL_BACKEND", "triton")
+    batch, _ = _inputs(_batch(), "grpo")
+    batch["logits"][0, 1, batch["tokens"][0, 1]] = float("-inf")
+    batch["mask"][0, 1] = True
+    fused, ref, grad_f, grad_r = run_both(batch, **kw)
+    assert_match(fused, ref, grad_f, grad_r)
+    assert torch.isfinite(grad_f).all() and torch.isfinite(fused.metrics["clipfrac"])
+    if "kl_coef" not in kw:
+        assert torch.isfinite(fused.loss)
