@@ -406,7 +406,7 @@ def _linear_policy_grad(hidden, weight, bias, *args):
     `args`: the per-token inputs (ops.POLICY_ARGS_SCHEMA, (B, T)), then logit_scale, softcap,
     chunk and all_rows (the caller gave no mask: every row counts, and finding the counted rows
     needs no host sync); hidden's rows flatten to N = B T."""
-    x = ops.policy_inputs_from_op(None, args[:-4])
+    x, weights = ops.policy_inputs_from_op(None, args[:-4])
     logit_scale, softcap, chunk, all_rows = args[-4:]
     tokens, mask = x.tokens, x.mask
     tau = x.temperature  # the float, or the (B, T) per-row tensor
@@ -428,8 +428,10 @@ def _linear_policy_grad(hidden, weight, bias, *args):
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     grads = _Grads(N, active.numel(), weight, bias, hidden.dtype, buf)
     flat = ops.flat_inputs(x)
-    with ops._autograd_enabled():  # we run inside a custom op: below autograd
-        weights = aggregation_weights(x).reshape(1, N)
+    if weights is None:  # (the public entry forms them: ops.loss_weights)
+        with ops._autograd_enabled():  # we run inside a custom op: below autograd
+            weights = aggregation_weights(x)
+    weights = weights.reshape(1, N)
     for idx in _chunks(active, chunk):  # three GEMMs per chunk
         rows = _gather(hidden, idx)
         z = _logits(rows, weight, bias, logit_scale, softcap, buf)

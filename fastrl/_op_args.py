@@ -3,8 +3,8 @@
 `POLICY_ARGS_SCHEMA` is the argument list of fastrl::policy_loss_grad(_) and
 fastrl::linear_policy_grad; `op_inputs` packs a PolicyInputs into it and `policy_inputs_from_op`
 unpacks it. The LossConfig travels as its numbers (a `float[]`, Python counts included) and a
-string constant of the rest (`config_key`); tensor counts, a per-token temperature and
-packed-sequence boundaries as tensors.
+string constant of the rest (`config_key`); tensor counts, a per-token temperature, the
+aggregation weights the caller formed and packed-sequence boundaries as tensors.
 `flat_inputs` / `select_rows` give the (1, R) rows of a token-separable loss's chunk.
 """
 
@@ -137,34 +137,39 @@ def select_rows(x, rows):
 # schemas of fastrl::policy_loss_grad(_) and fastrl::linear_policy_grad, packed from PolicyInputs
 # by `op_inputs` and unpacked by `policy_inputs_from_op`. Python counts travel in config_values;
 # a per-token temperature (PolicyInputs.temperature_rows, fp32 (B, T)) travels as
-# `temperature_rows` and replaces the config's float temperature.
+# `temperature_rows` and replaces the config's float temperature. `weights`: the aggregation
+# weights c_t of a token-separable loss (terms.aggregation_weights, x's layout) when the caller
+# has formed them (it needs them again for the loss's value: ops.policy_output), else None.
 POLICY_ARGS_SCHEMA = (
     "Tensor tokens, Tensor advantages, Tensor? old_logp, Tensor? ref_logp, "
     "Tensor? rollout_logp, Tensor mask, Tensor? num_tokens, Tensor? num_seqs, "
-    "Tensor? temperature_rows, Tensor? cu_seqlens, int max_seqlen, float[] config_values, "
-    "str config"
+    "Tensor? temperature_rows, Tensor? weights, Tensor? cu_seqlens, int max_seqlen, "
+    "float[] config_values, str config"
 )
 
 
-def op_inputs(x) -> tuple:
-    """PolicyInputs as the POLICY_ARGS_SCHEMA arguments (tokens ... config)."""
+def op_inputs(x, weights=None) -> tuple:
+    """PolicyInputs (and the aggregation weights, or None) as the POLICY_ARGS_SCHEMA
+    arguments (tokens ... config)."""
     counts = [c if isinstance(c, Tensor) else None for c in (x.num_tokens, x.num_seqs)]
     pack = x.packing
     packing = (None, 0) if pack is None else (pack.cu_seqlens, pack.max_seqlen)
     return (x.tokens, x.advantages, x.old_logp, x.ref_logp, x.rollout_logp, x.mask, *counts,
-            x.temperature_rows, *packing, *config_key(x.config))  # fmt: skip
+            x.temperature_rows, weights, *packing, *config_key(x.config))  # fmt: skip
 
 
 def policy_inputs_from_op(logits, args):
-    """PolicyInputs from the POLICY_ARGS_SCHEMA arguments `args` (the inverse of `op_inputs`)."""
+    """(PolicyInputs, the aggregation weights or None) from the POLICY_ARGS_SCHEMA arguments
+    `args` (the inverse of `op_inputs`)."""
     tokens, advantages, old_logp, ref_logp, rollout_logp, mask, num_tokens, num_seqs = args[:8]
-    temperature_rows, cu_seqlens, max_seqlen, values, key = args[8:]
+    temperature_rows, weights, cu_seqlens, max_seqlen, values, key = args[8:]
     cfg = config_from_key(values, key)
     packing = None
     if cu_seqlens is not None:  # checked by the public entry that packed the op's arguments
         packing = make_packing(cu_seqlens, mask.shape[1], mask.device, max_seqlen, check=False)
-    return PolicyInputs(
+    x = PolicyInputs(
         logits, tokens, advantages, old_logp, ref_logp, rollout_logp, mask, packing is not None,
         cfg, cfg.num_tokens if num_tokens is None else num_tokens,
         cfg.num_seqs if num_seqs is None else num_seqs, packing, temperature_rows,
     )  # fmt: skip
+    return x, weights

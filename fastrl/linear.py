@@ -311,14 +311,15 @@ def fused_linear_policy_loss(
         None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
     )  # fmt: skip
-    args = ops.op_inputs(x)
+    weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
+    args = ops.op_inputs(x, weights)
     scale, cap = float(logit_scale), None if softcap is None else float(softcap)
     chunk = chunk_size or default_chunk(V, hidden.device)
     params = [t for t in (hidden, weight, bias) if t is not None]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
     with autocast_off:
-        out, grads = _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk,
-                                            wants_grad, all_rows=mask is None)  # fmt: skip
+        out, grads = _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap,
+                                            chunk, wants_grad, all_rows=mask is None)  # fmt: skip
     return _attach(out, params, grads, wants_grad)
 
 
@@ -330,11 +331,12 @@ def _attach(out: PolicyLossOutput, params, grads, wants_grad) -> PolicyLossOutpu
     return out
 
 
-def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wants_grad,
+def _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap, chunk, wants_grad,
                            all_rows):  # fmt: skip
     """The PolicyLossOutput (loss detached) and, with `wants_grad`, the gradients of
-    (hidden, weight[, bias]) computed in the forward. `all_rows`: no mask was given, so every
-    row counts (the ops then take all rows without reading the mask: no host sync)."""
+    (hidden, weight[, bias]) computed in the forward. `weights`: ops.loss_weights(x) (also in
+    `args`). `all_rows`: no mask was given, so every row counts (the ops then take all rows
+    without reading the mask: no host sync)."""
     if wants_grad:
         logp, entropy, dh, dw, db = linear_policy_grad(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), *args,
@@ -350,7 +352,7 @@ def _linear_policy_forward(hidden, weight, bias, x, args, scale, cap, chunk, wan
         )  # fmt: skip
         logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
     with torch.no_grad():
-        out = ops.policy_output(logp, entropy, x)
+        out = ops.policy_output(logp, entropy, x, weights)
     if not wants_grad:
         return out, None
     return out, [dh.view(hidden.shape), dw] + ([] if bias is None else [db])

@@ -144,9 +144,10 @@ def policy_loss(
     if torch.is_grad_enabled() and x.logits.requires_grad:
         if inplace:
             _check_inplace(logits)
-        logp, entropy, grad = _policy_grad(x, inplace)
+        weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
+        logp, entropy, grad = _policy_grad(x, inplace, weights)
         with torch.no_grad():
-            out = ops.policy_output(logp, entropy, x)
+            out = ops.policy_output(logp, entropy, x, weights)
         if inplace and not _compiling():  # a slice base[:, a:b]: the base's storage is handed on
             out.loss = ops.attach_inplace_grad(out.loss, logits, x.logits, grad)
         else:
@@ -208,18 +209,19 @@ def policy_loss_from_logprobs(
     return policy_output(lp, ent, x)
 
 
-def _policy_grad(x, inplace: bool):
+def _policy_grad(x, inplace: bool, weights):
     """(logp, entropy, dloss/dlogits) in the forward; the gradient overwrites the logits with
-    `inplace` (then the returned gradient is the logits tensor itself, detached)."""
+    `inplace` (then the returned gradient is the logits tensor itself, detached). `weights`:
+    `ops.loss_weights(x)`."""
     logits = x.logits
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         logits = logits.contiguous()  # the only copy: a V dimension that is not contiguous
     if inplace:
         with torch.no_grad():
             target = logits.detach()  # shares the version counter: autograd sees the write
-            logp, entropy = ops.policy_loss_grad_(target, *ops.op_inputs(x))
+            logp, entropy = ops.policy_loss_grad_(target, *ops.op_inputs(x, weights))
         return logp, entropy, target
-    return ops.policy_loss_grad(logits.detach(), *ops.op_inputs(x))
+    return ops.policy_loss_grad(logits.detach(), *ops.op_inputs(x, weights))
 
 
 def _check_inplace(logits: Tensor) -> None:

@@ -341,7 +341,7 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     def grad_fn(lp, ent):  # (g, h) of every row
         return token_grads(lp, ent, x, weights)
 
-    def loss_weights():  # c_t = dloss/dL_t of every row
+    def every_weight():  # c_t = dloss/dL_t of every row
         if weights is not None:
             return weights
         with _autograd_enabled():  # inside a custom op: below autograd
@@ -351,10 +351,10 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     if is_token_separable(x.config):
 
         def row_terms():  # the loss as the Triton one-pass kernel takes it
-            return token_grad_terms(x, loss_weights())
+            return token_grad_terms(x, every_weight())
 
         def rows_grads():  # (g, h) of rows r0:r1 alone, from their weights c_t = dloss/dL_t
-            flat, w = flat_inputs(x), loss_weights().reshape(1, -1)
+            flat, w = flat_inputs(x), every_weight().reshape(1, -1)
 
             def rows_grad_fn(r0, r1, lp, ent):
                 rows = select_rows(flat, slice(r0, r1))
@@ -369,14 +369,24 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
 
 
 # --------------------------------------------------------------------------- loss and metrics
-def policy_output(logp: Tensor, entropy: Tensor, x):
+def loss_weights(x) -> Tensor | None:
+    """The aggregation weights c_t of x's loss when it is token-separable (what its gradient
+    and, on the Triton path, its value are formed from), else None: formed once per call by the
+    losses and handed to the op and to `policy_output`."""
+    from .terms import aggregation_weights, is_token_separable
+
+    return aggregation_weights(x) if is_token_separable(x.config) else None
+
+
+def policy_output(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = None):
     """`fastrl.terms.policy_output` (the loss, kl, ratio and metrics of SPEC 1-5 from logp and
     H), with the per-token math of a token-separable loss on the Triton backend in one O(N)
     kernel and a handful of reductions (`kernels.policy_terms`) instead of about 50 torch ops,
     each a launch on a GPU. Taken when no gradient flows through it (the fused losses attach
     theirs, computed in the forward; a no-grad call) and not while torch.compile traces (its
     fusion of the torch math is better there); otherwise, and on the torch backend, the torch
-    math itself."""
+    math itself. `weights`: x's aggregation weights when the caller has them (`loss_weights`),
+    else they are formed here."""
     from . import terms
 
     cfg = x.config
@@ -400,7 +410,9 @@ def policy_output(logp: Tensor, entropy: Tensor, x):
         return None if t is None else t.detach().reshape(N).float().contiguous()
 
     mask = terms.Masked(x.mask)
-    inputs = terms.token_grad_terms(x, terms.aggregation_weights(x), logp)
+    if weights is None:
+        weights = terms.aggregation_weights(x)
+    inputs = terms.token_grad_terms(x, weights, logp)
     kl, ratio, totals, top = policy_terms.policy_terms(
         flat(logp), flat(entropy), flat(x.mask), inputs
     )
@@ -450,10 +462,10 @@ def _define_policy_op(inplace: bool):
     @torch.library.impl(name, "default")
     def impl(logits, *args):
         _check_v_contiguous(logits)
-        x = policy_inputs_from_op(logits, args)
+        x, weights = policy_inputs_from_op(logits, args)
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
                                                  device=logits.device)  # fmt: skip
-        logp, entropy = stats_and_grad_(logits, x.tokens, x.temperature, x, out)
+        logp, entropy = stats_and_grad_(logits, x.tokens, x.temperature, x, out, weights)
         return (logp, entropy) if inplace else (logp, entropy, out)
 
     @torch.library.register_fake(name)
