@@ -409,7 +409,7 @@ def policy_output(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = Non
     def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.detach().reshape(N).float().contiguous()
 
-    mask = terms.Masked(x.mask)
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)  # (torch.where's 0)
     if weights is None:
         weights = terms.aggregation_weights(x)
     inputs = terms.token_grad_terms(x, weights, logp)
@@ -418,12 +418,13 @@ def policy_output(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = Non
     )
     # masked means as terms.masked_means forms them: 0 when nothing counts
     any_counted = totals[1] > 0
-    means = torch.where(any_counted, totals[2:] / totals[1].clamp(min=1e-20), mask.zero)
+    means = torch.where(any_counted, totals[2:] / totals[1].clamp(min=1e-20), zero)
     metrics = dict(zip(policy_terms.SUMS[2:], means.unbind(0)))
-    metrics["ratio_max"] = torch.where(any_counted, top, mask.zero)
+    metrics["ratio_max"] = torch.where(any_counted, top, zero)
     if cfg.rollout_is is not None:  # token level here (is_token_separable)
         old = logp.detach() if x.old_logp is None else x.old_logp
         is_w = terms.rollout_is_weights(cfg, old, x.rollout_logp, x.mask)
+        mask = terms.Masked(x.mask)
         w_mean, over = terms.masked_means([is_w["is_weight"], is_w["is_over_cap"]], mask)
         w_max = terms.masked_max(is_w["is_weight_raw"], mask)
         metrics.update(is_weight_mean=w_mean, is_clipfrac=over, is_weight_max=w_max)
