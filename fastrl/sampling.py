@@ -49,6 +49,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries stay ~16 MB each
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
 _FLT_LOWEST = -FP32_MAX  # the lowest finite fp32
+_U_MIN = 2.0**-25  # the torch path's least uniform draw (half torch.rand's step)
 _TAU_MIN = TAU_MIN  # the smallest temperature taken (config.TAU_MIN: 1 / τ finite in fp32)
 
 
@@ -191,8 +192,9 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
     """PyTorch path, rows in chunks (bounded fp32 temporaries, truncation included); temperature
     a float or an fp32 (N,) tensor of per-row temperatures (each chunk divides by its (n, 1)).
 
-    Gumbel-max with G = -log(-log U), U ~ U[0, 1) from `generator` (U = 0 gives G = -inf: that
-    token cannot win, an event of probability 2^-24 per entry). Statistics from zc = z' - m
+    Gumbel-max with G = -log(-log U), U ~ U[0, 1) from `generator` in steps of 2^-24; U = 0 is
+    taken as 2^-25, half a step (its G would be -inf: a token that cannot be drawn, and a row
+    whose support is that one token gave token 0 with logp = -inf). Statistics from zc = z' - m
     (m = row max): lse_c = log Σ e^zc, logp = zc_y - lse_c, H = lse_c - Σ p zc (no
     cancellation); a NaN logit makes m, hence logp and H, NaN."""
     N, V = logits.shape
@@ -217,7 +219,7 @@ def _sample_torch(logits: Tensor, temperature, greedy: bool, top_k, top_p, gener
         else:
             # fp32 noise whatever the default dtype (a bf16 default rounded z' + G: biased draws)
             gumbel = torch.rand(z.shape, generator=generator, device=dev, dtype=torch.float32)
-            gumbel.log_().neg_().log_()  # log E = -G, E = -log U ~ Exp(1)
+            gumbel.clamp_(min=_U_MIN).log_().neg_().log_()  # log E = -G, E = -log U ~ Exp(1)
             tok = gumbel.neg_().add_(z).argmax(-1)  # z' + G
             del gumbel
         tokens[s:e] = tok

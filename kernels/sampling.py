@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
 from .softmax import (
+    _INTERPRET,
     _LN2,
     _LOG2E,
     _SPLIT_SM_COUNT,
@@ -56,6 +57,47 @@ from .softmax import (
     _sm_count,
     _split_config,
 )
+
+
+@triton.jit
+def _mulhilo(a, B: tl.constexpr):
+    # (hi, lo) 32-bit words of the 64-bit product a * B, a uint32 block, B a uint32 constant.
+    # Compiled: one mul.wide.u32 (one IMAD.WIDE.U32), where umulhi + mul take two multiplies.
+    # Interpreted: a 64-bit product in numpy (no inline PTX there).
+    if _INTERPRET:
+        p = a.to(tl.uint64) * B
+        return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .u64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }",
+            "=r,=r,r,r",
+            [a, tl.full(a.shape, B, tl.uint32)],
+            dtype=(tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def _philox4x32(seed, offset):
+    # Philox4x32-10 (Salmon et al. 2011) under key `seed` (an int64 scalar: its low and high
+    # words) at the counters `offset` (an int64 block: words 0 and 1; words 2 and 3 are 0): bit
+    # for bit tl.randint4x(seed, offset), with each round's two 32 x 32 -> 64-bit products as
+    # one instruction each (_mulhilo; kernel_report's sampler row counts them).
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    c0 = offset.to(tl.uint32)
+    c1 = (offset >> 32).to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
+        hi2, lo2 = _mulhilo(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)  # the key schedule
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -76,9 +118,11 @@ def _sample_slice(
     # logit makes s NaN, n_nan = 0), and the first maximum of the key with its z'. Keys are in
     # log2 units: key_j = z_j c log2(e) - log2(E_j) = log2(e) (z'_j + G_j), G_j = -log E_j
     # (the raw z_j if GREEDY: the exact argmax of z, hence of z'). Each column keeps its own best
-    # (key, column, raw z) over the blocks (strict >: its earliest block wins a tie); the last
-    # step takes the largest key and, among equal ones, the smallest column: the first maximum
-    # of the whole range, with no cross-thread step per block but the row max.
+    # (key, column) over the blocks (strict >: its earliest block wins a tie); the last step
+    # takes the largest key and, among equal ones, the smallest column: the first maximum of the
+    # whole range, with no cross-thread step per block but the row max; its z is then read again
+    # (one load a row, where keeping it per column cost a select a logit). A -inf logit (masked
+    # columns load as -inf) has the key -inf and a NaN one the key NaN: neither is ever > a best.
     # Noise: E_j = -log(1 - U_j) ~ Exp(1) (a series where 1 - U would lose the small values),
     # U_j from Philox keyed by seed at counter row * ceil(V / 4) + j // 4, word j % 4 (one
     # Philox call gives four columns' bits; lo and BLOCK_V are multiples of 4).
@@ -90,7 +134,6 @@ def _sample_slice(
     w_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     best_key = tl.full([BLOCK_V], NEG_INF, tl.float32)
     best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)  # 0 while every key is -inf
-    best_z = tl.full([BLOCK_V], NEG_INF, tl.float32)  # raw z of each column's best
     counter = row * ((V + 3) // 4)
     for start in range(lo, hi, BLOCK_V):
         j = start + cols
@@ -101,19 +144,25 @@ def _sample_slice(
         if GREEDY:
             key = z
         else:
-            r0, r1, r2, r3 = tl.randint4x(seed, counter + start // 4 + tl.arange(0, BLOCK_V // 4))
+            r0, r1, r2, r3 = _philox4x32(seed, counter + start // 4 + tl.arange(0, BLOCK_V // 4))
             bits = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # 4i + l <- r_l[i]
-            u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # U in (0, 1]
-            expo = tl.where(u < 1e-4, u + 0.5 * u * u, -_log2(1.0 - u) * _LN2)  # E
+            # U = (bits + 0.5) 2^-32 in (0, 1]: fp32 rounds the top 128 words to 1.0, so 1 - U is
+            # floored at 2^-33, the least it is exactly (E <= 33 ln 2): 1 - U = 0 gave E = inf,
+            # a key of -inf, a token that could not be drawn (alone in its row's support, token
+            # 0 came out with logp = -inf).
+            u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+            one_minus_u = tl.maximum(1.0 - u, 1.1641532182693481e-10)
+            expo = tl.where(u < 1e-4, u + 0.5 * u * u, -_log2(one_minus_u) * _LN2)  # E
             key = z * k - _log2(expo)
-        key = tl.where(z > NEG_INF, key, NEG_INF)  # masked, -inf and NaN logits never win
         better = key > best_key
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, j.to(tl.int32), best_idx)  # j < V < 2^31
-        best_z = tl.where(better, z, best_z)
     key = tl.max(best_key, axis=0)
     first = tl.min(tl.where(best_key == key, best_idx, 2147483647), axis=0)
-    z_y = tl.max(tl.where(best_idx == first, best_z, NEG_INF), axis=0)
+    if GREEDY:  # the key is the raw logit
+        z_y = key
+    else:
+        z_y = tl.load(row_ptr + first.to(tl.int64) * stride_lv).to(tl.float32)  # first < V
     m, s, w, n_nan = _row_stats_finish(m, s_acc, w_acc, inv_temperature)
     return m, s, w, n_nan, key, first.to(tl.int64), z_y * inv_temperature
 

@@ -6,6 +6,9 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from fastrl.kernels import sampling as kernel_sampling
 
 import fastrl
 from fastrl import reference as ref
@@ -376,3 +379,84 @@ def test_kernel_split_at_any_chunk_samples_the_same_tokens(chunk):
     one = S.sample_rows(logits, seed, 1.0, False, split_chunk=0)
     split = S.sample_rows(logits, seed, 1.0, False, split_chunk=chunk)
     assert torch.equal(one[0], split[0])
+
+
+# --------------------------------------------------------------------------- extreme noise draws
+@pytest.mark.parametrize("top_k", [None, 1])
+def test_a_zero_uniform_draw_still_samples_the_only_token_of_the_support(top_k):
+    """Torch path: torch.rand draws U = 0 with probability 2^-24 an entry (seed 34 draws it at
+    (291, 500) of a (292, 1024) draw). Its Gumbel noise was -inf, so a row whose support is that
+    one token (a peaked top-p or top-k = 1: common) gave token 0 with logp = -inf."""
+    g = torch.Generator().manual_seed(34)
+    assert torch.rand(292, 1024, generator=g)[291, 500] == 0  # the premise
+    logits = torch.randn(292, 1024, generator=torch.Generator().manual_seed(0))
+    if top_k is None:
+        logits[291] = float("-inf")
+    logits[291, 500] = 10.0  # row 291's only token (top_k = 1: its argmax)
+    g = torch.Generator().manual_seed(34)
+    tokens, logp, entropy = fastrl.sample(logits, 1.0, top_k=top_k, generator=g)
+    assert tokens[291] == 500 and logp[291] == 0 and entropy[291] == 0
+
+
+@triton.jit
+def _philox_words_kernel(seed_ptr, offset_ptr, out_ptr, OURS: tl.constexpr, BLOCK: tl.constexpr):
+    # the four Philox words of each counter offset_ptr[i] -> out_ptr[4 i : 4 i + 4]
+    i = tl.arange(0, BLOCK)
+    off = tl.load(offset_ptr + i)
+    seed = tl.load(seed_ptr)
+    if OURS:
+        r0, r1, r2, r3 = kernel_sampling._philox4x32(seed, off)
+    else:
+        r0, r1, r2, r3 = tl.randint4x(seed, off)
+    tl.store(out_ptr + 4 * i, r0.to(tl.int64))
+    tl.store(out_ptr + 4 * i + 1, r1.to(tl.int64))
+    tl.store(out_ptr + 4 * i + 2, r2.to(tl.int64))
+    tl.store(out_ptr + 4 * i + 3, r3.to(tl.int64))
+
+
+def philox_words(seed, offsets, ours):
+    """seed (1,) int64, offsets (n,) int64 (n a power of 2) -> (n, 4) int64: the four Philox
+    words of each counter, from the sampler's `_philox4x32` (ours) or from tl.randint4x."""
+    out = torch.empty(len(offsets), 4, dtype=torch.int64, device=offsets.device)
+    _philox_words_kernel[(1,)](seed, offsets, out, OURS=ours, BLOCK=len(offsets))
+    return out
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+@pytest.mark.parametrize("seed", [0, 3, 2871038, 2**40 + 7, -5, 2**63 - 1])
+def test_kernel_philox_is_triton_randint4x_bit_for_bit(seed):
+    """The sampler's Philox4x32-10 (one wide multiply per product) draws tl.randint4x's words,
+    counters past 2^32 included (compiled on CUDA, where the products are inline PTX)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    offsets = torch.tensor([0, 1, 7, 2**31 + 5, 2**32 - 1, 2**32, 2**33 + 11, 2**40 + 3] * 2)
+    offsets[8:] += 12345
+    offsets = offsets.to(dev)
+    s = torch.tensor([seed], dtype=torch.int64, device=dev)
+    ours = philox_words(s, offsets, True)
+    assert torch.equal(ours, philox_words(s, offsets, False))
+    assert ((ours >= 0) & (ours < 2**32)).all() and ours.unique().numel() > 60
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+@pytest.mark.parametrize("split_chunk", [0, 4])
+def test_kernel_a_philox_word_near_2_to_32_still_samples_its_token(split_chunk):
+    """Kernel: U = (word + 0.5) 2^-32 rounds to 1.0 in fp32 for the top 128 words (probability
+    2^-25 a column): 1 - U = 0 gave E = inf and a key of -inf, so a row whose support is that
+    one token gave token 0 with logp = -inf. Seed 2871038 draws such a word for column 2 of
+    row 0 (counter 0, word 2)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = torch.tensor([2871038], dtype=torch.int64, device=dev)
+    word = philox_words(seed, torch.zeros(2, dtype=torch.int64, device=dev), True)[0, 2]
+    assert word >= 2**32 - 128  # the premise
+    for support_only in (True, False):
+        logits = torch.full((1, 4), float("-inf"), device=dev)
+        if not support_only:
+            logits = torch.tensor([[-3.0, -2.0, 0.0, -3.0]], device=dev)
+        logits[0, 2] = 0.0 if support_only else 6.0
+        tokens, logp, _ = kernel_sampling.sample_rows(
+            logits, seed, 1.0, False, split_chunk=split_chunk
+        )
+        if support_only:
+            assert tokens.item() == 2 and logp.item() == 0
+        else:  # its key is finite now: with 99 % of the mass it is still drawn at this seed
+            assert tokens.item() == 2
