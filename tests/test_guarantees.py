@@ -64,6 +64,46 @@ def test_inputs_that_require_grad_are_constants(engine):
     assert x.grad.abs().sum() > 0  # an on-policy gradient, not silently zero
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_scaled_loss_scales_the_half_precision_gradient_in_fp32(engine, inplace):
+    """(loss * s).backward(), e.g. loss / grad_accum_steps: the gradient computed in the forward
+    is multiplied by the fp32 s and rounded once to the logits' dtype on every engine (the CPU
+    path rounded s to bf16 first: every entry off by bf16(s) / s = 1.0019 at s = 1 / 3)."""
+    device, backend = engine
+    if device == "cpu" and backend == "triton":
+        pytest.skip("triton's interpreter rounds fp32 -> bf16 toward zero (a GPU to nearest)")
+    b = batch(B=2, T=8, V=64, device=device)
+    logits = b.pop("logits").bfloat16()
+    s = 1 / 3
+    grads = []
+    for scale in (1.0, s):
+        x = logits.clone().requires_grad_()
+        out = fastrl.policy_loss(x * 1, **b, config="grpo", inplace=inplace)
+        (out.loss * scale).backward()
+        grads.append(x.grad)
+    want = (grads[0].float() * torch.tensor(s, dtype=torch.float32)).bfloat16()
+    assert torch.equal(grads[1], want)
+    assert grads[1].abs().sum() > 0
+
+
+def test_a_scaled_fused_linear_loss_scales_its_half_precision_gradients_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 8, 16, generator=g).bfloat16()
+    weight = (0.3 * torch.randn(64, 16, generator=g)).bfloat16()
+    b = batch(B=2, T=8, V=64)
+    b.pop("logits")
+    s = 1 / 3
+    grads = []
+    for scale in (1.0, s):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fastrl.fused_linear_policy_loss(h, w, **b, config="grpo")
+        (out.loss * scale).backward()
+        grads.append((h.grad, w.grad))
+    for one, scaled in zip(*grads):
+        want = (one.float() * torch.tensor(s, dtype=torch.float32)).to(one.dtype)
+        assert torch.equal(scaled, want)
+
+
 # ---------------------------------------------------------------------- 2. entropy precision
 def _f64_entropy(z: torch.Tensor, tau: float) -> torch.Tensor:
     z = z.double() / tau
