@@ -212,10 +212,12 @@ def group_advantages(
     if scale == "none":
         return centered.float()
     if scale == "group":
-        return (centered / (std + eps)).float()
-    batch = torch.zeros_like(idx)
-    batch_std = _unbiased_std(r - r.mean(), batch, r.new_full((1,), B))[0]  # 0 when B = 1
-    return (centered / (batch_std + eps)).float()
+        den = std + eps
+    else:
+        batch = torch.zeros_like(idx)
+        den = _unbiased_std(r - r.mean(), batch, r.new_full((1,), B))[0] + eps  # σ = 0 if B = 1
+    # σ + eps = 0 only with eps = 0 in an all-equal group (or batch), whose A is 0 (not 0 / 0)
+    return torch.where(den > 0, centered / den, 0.0).float()
 
 
 def _packed_group_advantages(rewards, cu_seqlens, mask, **kw) -> Tensor:

@@ -243,8 +243,8 @@ def group_advantages(
     for idx in _groups(rewards, group_size, group_ids):
         r = rewards[idx]
         n = len(idx)
-        if n == 1:
-            continue  # a group of one has no baseline: A = 0
+        if n == 1 or bool((r == r[0]).all()):
+            continue  # a group of one has no baseline, an all-equal group no signal: A = 0
         centered[idx] = r - r.mean()
         if estimator == "rloo":
             centered[idx] = centered[idx] * n / (n - 1)
@@ -258,11 +258,13 @@ def group_advantages(
     if scale == "none":
         return centered.float()
     if scale == "group":
-        return (centered / (group_std + eps)).float()
-    if scale == "batch":
-        batch_std = _unbiased_std(rewards) if rewards.numel() > 1 else rewards.new_zeros(())
-        return (centered / (batch_std + eps)).float()
-    raise ValueError(f"unknown scale {scale!r}; expected group, batch or none")
+        std = group_std
+    elif scale == "batch":
+        std = _unbiased_std(rewards) if rewards.numel() > 1 else rewards.new_zeros(())
+    else:
+        raise ValueError(f"unknown scale {scale!r}; expected group, batch or none")
+    # with eps = 0 an all-equal group (or batch) has std + eps = 0 and A = 0, not 0 / 0
+    return torch.where(std + eps > 0, centered / (std + eps), 0.0).float()
 
 
 # --------------------------------------------------------------------------- DAPO

@@ -252,6 +252,22 @@ def test_group_advantages_match_reference(estimator, scale):
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_group_advantages_with_eps_0_are_0_for_flat_groups(estimator, scale):
+    """eps = 0 is allowed: all-equal groups (0.1 three times: a mean not exactly 0.1) and groups
+    of one still get exactly 0, as does an all-equal batch under scale="batch" (0 / 0 was NaN
+    in the library and the oracle; SPEC 7: never NaN)."""
+    kw = dict(estimator=estimator, scale=scale, eps=0.0)
+    for fn in (fastrl.group_advantages, ref.group_advantages):
+        out = fn(REWARDS, group_ids=IDS, **kw)
+        assert not torch.isnan(out).any(), fn
+        assert torch.all(out[:3] == 0) and torch.all(out[9:] == 0), fn
+        assert (out[3:9] != 0).sum() == 5, fn  # 0.5 is its group's mean
+        torch.testing.assert_close(out, fastrl.group_advantages(REWARDS, group_ids=IDS, **kw))
+        assert torch.equal(fn(torch.full((4,), 0.7), 2, **kw), torch.zeros(4)), fn
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_group_advantages_hand_computed(estimator):
     r = torch.tensor([0.0, 1.0, 2.0, 5.0, 7.0, 9.0])  # means 1 and 7, unbiased stds 1 and 2
     factor = 1.5 if estimator == "rloo" else 1.0  # n / (n - 1) for n = 3
