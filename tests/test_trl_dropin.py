@@ -362,3 +362,56 @@ def test_head_saves_no_weight_copy_and_matches_trl(setting):
     torch.testing.assert_close(out_f.entropy[mask], out_t.entropy[mask], **tol)
     scale = grad_t.float().abs().max()
     torch.testing.assert_close(grad_f.float() / scale, grad_t.float() / scale, **tol)
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_clip_metrics_with_a_masked_first_token_as_trl(level, model_dir, tmp_path):
+    """A tool_mask (or a rollout_func's env_mask) can mask a completion's first token while
+    later ones count. Under sequence-level ratios the clip metrics read the ratio of that masked
+    token (1) instead of the sequence's: clip_ratio/low_mean 0 where TRL logs 0.25."""
+    import collections
+
+    def make(cls, i):
+        args = grpo_args(tmp_path / f"{cls.__module__}{i}", importance_sampling_level=level,
+                         loss_type="grpo", gradient_accumulation_steps=1,
+                         max_completion_length=6)  # fmt: skip
+        ds = datasets.Dataset.from_dict({"prompt": ["ab"] * 8})
+        t = cls(model=model_dir, reward_funcs=reward_chars, args=args, train_dataset=ds,
+                processing_class=default_tokenizer())  # fmt: skip
+        t.current_gradient_accumulation_steps = 1
+        t.model.train()
+        return t
+
+    stock, ours = make(trl.GRPOTrainer, 0), make(fastrl_trl.GRPOTrainer, 1)
+    g = torch.Generator().manual_seed(0)
+    V = stock.model.config.vocab_size
+    inputs = dict(
+        prompt_ids=torch.randint(3, V, (4, 3), generator=g),
+        prompt_mask=torch.ones(4, 3, dtype=torch.long),
+        completion_ids=torch.randint(3, V, (4, 6), generator=g),
+        completion_mask=torch.ones(4, 6, dtype=torch.long),
+        advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
+    )
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    with torch.no_grad():
+        logp = stock._get_per_token_logps_and_entropies(stock.model, ids, torch.ones_like(ids), 6)[
+            0
+        ]
+    old = logp.clone()
+    old[3] += 1.0  # row 3: ratio e^-1 < 1 - epsilon with A < 0: clipped low
+    tool_mask = torch.ones(4, 6, dtype=torch.long)
+    tool_mask[3, 0] = 0  # row 3's first token is not the model's
+    tool_mask[1] = 0  # and row 1 counts no token
+    inputs.update(old_per_token_logps=old, tool_mask=tool_mask)
+    logged = []
+    for t in (stock, ours):
+        t._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+        loss = t._compute_loss(t.model, dict(inputs))
+        logged.append((loss.item(), dict(t._metrics["train"])))
+    (loss_trl, trl_metrics), (loss_ours, our_metrics) = logged
+    assert loss_ours == pytest.approx(loss_trl, rel=1e-5)
+    keys = [k for k in trl_metrics if k.startswith("clip_ratio/")]
+    assert len(keys) >= 5
+    for k in keys:
+        assert our_metrics[k] == pytest.approx(trl_metrics[k], abs=1e-6), k
+    assert trl_metrics["clip_ratio/low_mean"][0] > 0  # the case the test is about

@@ -48,12 +48,16 @@ itself), vllm_importance_sampling_clip_max=None.
 Two normalisers are the caller's: for `dapo` / `cispo` TRL divides by `num_items_in_batch`
 rescaled to one accumulation window (pass it as `num_tokens`), and TRL divides the `grpo`,
 `bnpo`, `dr_grpo`, `sapo`, `luspo` losses by the gradient-accumulation steps afterwards (do the
-same). TRL's ratios have no clamp at exp(+-20); SPEC's only differ where exp would overflow.
+same). TRL's ratios have no clamp; SPEC clamps log r to [-20, 20], so the two differ only at a
+token whose log-ratio lies beyond +-20 (its probability moved by a factor over 4.9e8): there
+fastrl holds r at the bound and passes no gradient through it, TRL the unclamped r and its
+gradient.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import types
 from typing import Any
 
@@ -369,7 +373,12 @@ def _make_trainer_class():
             adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
             coef_1 = out.ratio
             if self.importance_sampling_level == "sequence":
-                coef_1 = coef_1[:, :1]
+                # every counted token holds its sequence's ratio, a masked one 1 (a tool or
+                # environment token may come first): the ratio of a counted token, 1 in a row
+                # with none, TRL's (B, 1) coef_1
+                counted = mask > 0
+                coef_1 = torch.where(counted, coef_1, -math.inf).amax(-1, keepdim=True)
+                coef_1 = torch.where(counted.any(-1, keepdim=True), coef_1, 1.0)
 
             def masked_seq_mean(v):
                 if v.shape[1] == 1:
