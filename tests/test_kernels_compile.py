@@ -270,12 +270,14 @@ def test_row_sweeps_issue_few_instructions_per_logit(report):
     V = 151936), stay within a per-logit instruction budget and take at most two barriers a
     block (the row max). Reducing each block to scalars, as the sweeps did before 2026-11-27,
     cost about 30 instructions a logit in the statistics sweep, 18 in the gradient sweep and
-    180 in the sampler, with 12-15 barriers a block: such a loop fails here."""
+    180 in the sampler, with 12-15 barriers a block: such a loop fails here. The sampler's 48
+    (Philox's products as two multiplies each, a select of z and a -inf mask a logit) is over
+    its budget too."""
     rows = _kernel_report().sweep_costs(report)
     launches = {r["launch"] for r in rows}
     assert len(launches) == len(_kernel_report().SWEEP_LAUNCHES), launches
     for r in rows:
-        budget = 60 if r["kernel"].startswith("_sample") else 16
+        budget = 45 if r["kernel"].startswith("_sample") else 16
         if r["sweep"] == "statistics" and not r["kernel"].startswith("_sample"):
             budget = 14
         assert r["hot_per_logit"] <= budget, r
