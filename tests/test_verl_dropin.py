@@ -254,6 +254,57 @@ def test_kernels_routed_to_fastrl(installed, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_triton_fused_backend_routed_to_fastrl(installed, monkeypatch):
+    """verl's `fused_kernel_options.impl_backend="triton"`: its HF models' forward
+    (`forward_with_triton_backend`) calls `verl.utils.kernel.linear_cross_entropy`, verl's Triton
+    fused LM head. Installed, it runs on fastrl.linear_logprobs: verl's own forward of a tiny
+    Qwen2 gives the log-probs, entropies and gradients of the model's logits; with a process
+    group (Megatron's tensor parallel) verl's kernel is still the one called."""
+    import verl.utils.kernel.linear_cross_entropy as lce
+    from verl.models.transformers.dense_common import forward_with_triton_backend
+
+    calls = []
+    real = fastrl.linear_logprobs
+
+    def counting(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fastrl, "linear_logprobs", counting)
+    model = default_model(48, seed=0, hidden=32, layers=2)
+    model.config.use_cache = False
+    batch = _batch(48)
+    input_ids = torch.cat([batch["prompts"], batch["responses"]], 1)
+    am = batch["attention_mask"]
+    kw = dict(input_ids=input_ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0))
+    out = forward_with_triton_backend(model, **kw, return_dict=True, temperature=0.7)
+    assert calls == [(input_ids.numel(), 32)]
+    ls = torch.log_softmax(model(**kw).logits.double() / 0.7, -1)
+    labels = torch.roll(input_ids, shifts=-1, dims=-1)
+    want = (ls.gather(-1, labels[..., None])[..., 0], -(ls.exp() * ls).sum(-1))
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(input_ids.numel(), generator=g, dtype=torch.float64) for _ in want]
+    grads = []
+    for got in ((out.log_probs, out.entropy), [w.reshape(-1) for w in want]):
+        assert got[0].shape == got[1].shape == (input_ids.numel(),)
+        total = sum((v.double() * w).sum() for v, w in zip(got, weights))
+        grads.append(torch.autograd.grad(total, [model.lm_head.weight]))
+    for a, b in zip((out.log_probs, out.entropy), want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b.reshape(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][0].double(), grads[1][0].double(), rtol=1e-4, atol=1e-5)
+    seen = []  # with a process group verl's own kernel runs
+    monkeypatch.setitem(fastrl_verl._ORIGINALS, fastrl_verl._LCE, lambda *a: seen.append(a) or 7)
+    assert lce.linear_cross_entropy(out.log_probs, None, None, 1.0, "none", object()) == 7
+    assert len(seen) == 1 and len(calls) == 1
+    monkeypatch.undo()
+    fastrl_verl.uninstall()
+    assert (
+        lce.linear_cross_entropy == lce.LinearCrossEntropy.apply
+    )  # (a new bound method each time)
+    fastrl_verl.install()
+
+
 # ------------------------------------------------------------- training with verl's ppo_loss
 def _batch(vocab: int, seed: int = 0):
     """A verl-style padded batch: left-padded prompts, right-padded responses."""

@@ -18,8 +18,10 @@
 2. routes verl's logits -> log-prob / entropy computation to fastrl's ops:
    `verl.utils.torch_functional.logprobs_from_logits` -> `fastrl.logprobs`,
    `entropy_from_logits` / `entropy_from_logits_with_chunking` -> `fastrl.logprobs(...,
-   entropy=True)`, and the fused-kernel path (`use_fused_kernels=True`,
-   `verl.utils.experimental.torch_functional.FusedLinearForPPO`) -> `fastrl.linear_logprobs`
+   entropy=True)`, and the fused-kernel path (`use_fused_kernels=True`: its "torch" and
+   "liger" backends' `verl.utils.experimental.torch_functional.FusedLinearForPPO`, its
+   "triton" backend's `verl.utils.kernel.linear_cross_entropy`, single-device: with
+   Megatron's tensor-parallel group verl's kernel runs) -> `fastrl.linear_logprobs`
    (hidden states and lm_head weight in, (B, T, V) logits never held). Modules that imported
    these names already are patched too; engines that cached them (verl's FSDP engine keeps
    `compute_entropy_from_logits`) must be built after `install()`. Log-probs and entropies
@@ -66,6 +68,7 @@ for the seq-mean modes): the registered loss raises a ValueError naming it, as v
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Mapping
@@ -330,6 +333,28 @@ def _fused_linear_for_ppo_forward(self, hidden_states, vocab_weights, input_ids,
     return log_probs, entropy.to(hidden_states.dtype)
 
 
+_LCE = ("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy")
+
+
+def _linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                          dist_process_group=None):  # fmt: skip
+    """verl's `linear_cross_entropy` (its Triton fused LM head: `fused_kernel_options.
+    impl_backend="triton"`, what the HF models' `forward_with_triton_backend` call) on
+    `fastrl.linear_logprobs`: hidden (..., H) and labels (...) flattened to N rows, returns fp32
+    (log-probs (N,), entropy (N,)) as verl's kernel does. With a process group (Megatron's
+    tensor-parallel vocabulary) or a reduction other than "none", verl's own kernel runs."""
+    if dist_process_group is not None or str(reduction).lower() != "none":
+        original = _ORIGINALS[_LCE]
+        return original(hidden, weight, labels, temperature, reduction, dist_process_group)
+    import fastrl
+
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return fastrl.linear_logprobs(
+        flat, weight.to(flat.dtype), labels.reshape(-1).long(),
+        temperature=float(temperature), entropy=True,
+    )  # fmt: skip
+
+
 def _patch(module, name: str, new) -> None:
     key = (module.__name__, name)
     if key not in _ORIGINALS:
@@ -340,8 +365,10 @@ def _patch(module, name: str, new) -> None:
 def install(losses: bool = True, kernels: bool = True) -> list[str]:
     """Put fastrl into verl (idempotent). `losses`: register `fastrl` and `fastrl_<mode>` in
     verl's policy-loss registry. `kernels`: route verl's logprobs_from_logits /
-    entropy_from_logits / entropy_from_logits_with_chunking and FusedLinearForPPO to fastrl's
-    ops, in verl.utils.torch_functional and in every verl module that imported them by name.
+    entropy_from_logits / entropy_from_logits_with_chunking, FusedLinearForPPO (its "torch" and
+    "liger" fused-kernel backends) and linear_cross_entropy (its "triton" backend, without a
+    process group) to fastrl's ops, in verl's modules and in every verl module that imported
+    them by name.
     Returns the registered loss modes. `uninstall()` undoes it."""
     try:
         from verl.trainer.ppo import core_algos
@@ -371,6 +398,11 @@ def install(losses: bool = True, kernels: bool = True) -> list[str]:
                 if module is verl_F or getattr(module, name, None) is originals[name]:
                     _patch(module, name, fn)
         _patch(verl_exp.FusedLinearForPPO, "forward", _fused_linear_for_ppo_forward)
+        lce = importlib.import_module(_LCE[0])
+        original = _ORIGINALS.get(_LCE, lce.linear_cross_entropy)
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("verl")]:
+            if module is lce or getattr(module, _LCE[1], None) is original:
+                _patch(module, _LCE[1], _linear_cross_entropy)
     return modes
 
 
