@@ -5,7 +5,7 @@
                              config=fastrl.LossConfig.grpo())
     out.loss.backward()
 
-See SPEC.md for the math and README.md for the layout.
+See docs/SPEC.md for the math and README.md for the layout.
 """
 
 from .advantages import (

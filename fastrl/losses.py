@@ -94,7 +94,8 @@ def policy_loss(
     token's own, with a temperature tensor); per-token
     L_t = w_t l_t + beta kl_t - c_H H_t, aggregated by `config.agg`; the gradient is
     dloss/dz_tj = (1/tau)[g_t (1[j=y_t] - p_tj) - h_t p_tj (log p_tj + H_t)], g = dloss/dlogp,
-    h = dloss/dH, written by one pass over the logits in the backward.
+    h = dloss/dH, written by one pass over the logits in the forward (the backward only scales it
+    by the upstream gradient, with no pass at all when that is 1).
 
     Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like
     tokens, fp32, detached), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
@@ -103,13 +104,13 @@ def policy_loss(
     unless `check_finite=True`, which raises a ValueError when the loss or a logp is NaN / inf
     (NaN / inf in the logits otherwise propagate to the loss, never hidden).
 
-    inplace=True: the backward overwrites the logits' storage with dloss/dlogits (no new (N, V)
+    inplace=True: this call overwrites the logits' storage with dloss/dlogits (no new (N, V)
     buffer; the gradient that flows back *is* the logits tensor). Safe only when nothing else
-    reads those logits after this loss's backward runs: the logits come from a layer whose
+    reads those logits after this call: the logits come from a layer whose
     backward does not need its output (an lm_head Linear / matmul, possibly followed by slicing or
     a division by a temperature), no other loss or op in the graph uses the same logits (another
     loss on them, a softmax saved for backward, ...), the caller does not read them after
-    `backward()`, and backward runs once (no retain_graph double backward). Misuse detected by
+    this call, and backward runs once (no retain_graph double backward). Misuse detected by
     autograd's version counter raises (the write bumps it); misuse it cannot see gives wrong
     numbers. With a non-contiguous V dimension the gradient lands in the internal copy instead.
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,

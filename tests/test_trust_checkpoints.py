@@ -151,6 +151,23 @@ def test_the_embedded_model_refuses_a_task_character_its_tokenizer_lacks(tmp_pat
         Trainer(tiny(tmp_path / "run", task=str(task), eval_split=0.0), log=lambda *a: None)
 
 
+def test_a_held_out_eval_line_with_a_character_the_tokenizer_lacks_is_named_as_such(tmp_path):
+    """The message names what holds the character: the held-out eval lines (--eval-split), not
+    an --eval-file that was never given ("--eval-file None")."""
+    from fastrl.train.tasks import JsonlTask
+
+    task = tmp_path / "t.jsonl"
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(40)]
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny(tmp_path / "run", task=str(task), eval_split=0.1)
+    probe = JsonlTask(str(task))
+    held = probe.hold_out(cfg.eval_split, cfg.eval_size, cfg.seed)[0]
+    rows[[f"{a}+1=" for a in range(40)].index(held.prompt)]["prompt"] = "é+1="
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"the eval lines held out of task .* uses characters"):
+        Trainer(cfg, log=lambda *a: None)
+
+
 # ----------------------------------------------------------------------- file modes
 def test_checkpoints_get_the_modes_of_the_umask(tmp_path):
     old = os.umask(0o022)

@@ -139,7 +139,14 @@ def test_reinforce_pp_baseline_equals_verl(size):
 
 # --------------------------------------------------------------------------- value loss
 @pytest.mark.parametrize(
-    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    "agg",
+    [
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("clip", [0.2, 0.5])
 def test_value_loss_equals_verl(agg, clip):

@@ -182,7 +182,12 @@ def check_vocabulary(cfg: TrainConfig, task: Task, eval_set: list[Example]) -> N
     lines = task.examples if isinstance(task, JsonlTask) else task.eval_examples(50, cfg.seed)
     for what, examples in (
         (f"task {cfg.task!r}", lines),
-        (f"--eval-file {cfg.eval_file!r}", eval_set),
+        (
+            f"--eval-file {cfg.eval_file!r}"
+            if cfg.eval_file
+            else f"the eval lines held out of task {cfg.task!r} (--eval-split {cfg.eval_split})",
+            eval_set,
+        ),  # fmt: skip
     ):
         text = "".join(e.prompt + task.target(e) for e in examples)
         missing = sorted(set(text) - set(CHARS))
