@@ -195,14 +195,16 @@ def test_ranks_skip_alike_when_only_one_has_signal(tmp_path):
 @pytest.mark.parametrize(
     "algo,fused,agg",
     [("grpo", False, None), ("ppo", False, None), ("dapo", True, None),
-     ("grpo", False, "token-sum"), ("dapo", True, "token-sum")],
+     ("grpo", False, "token-sum"), ("dapo", True, "token-sum"), ("ppo", False, "token-sum")],
 )  # fmt: skip
 def test_the_rank_average_is_folded_into_the_normalisers(algo, fused, agg, monkeypatch):
     """grad_scale (the world size: DDP / FSDP2 average gradients) divides num_tokens / num_seqs
     instead of multiplying the loss, so every fused backward starts from exactly 1 (no second
     pass over the logits, or over dW on the LM-head path); the gradient is grad_scale times the
     single-process one and the logged loss is unchanged. token-sum, which has no normaliser,
-    too (it was the single-process gradient: 1 / world of the batch's after DDP's average)."""
+    too (it was the single-process gradient: 1 / world of the batch's after DDP's average). The
+    value loss stays a token mean under a token-sum policy loss (it took the policy's stand-in
+    count, 1 / world: a token sum, 2 N times the critic's loss and gradient on two ranks)."""
     import dataclasses
 
     import fastrl.ops

@@ -164,6 +164,7 @@ def _micro_step(
     cfg, r = run.cfg, batch.rollout
     # the rank-average of DDP / FSDP2 folded into the normalisers (see the module docstring)
     num_tokens, num_seqs = num_tokens / run.grad_scale, num_seqs / run.grad_scale
+    value_tokens = num_tokens  # the value loss is a token mean whatever the policy's aggregation
     loss_cfg = run.loss_cfg
     if loss_cfg.agg == "token-sum" and run.grad_scale != 1:  # no normaliser to fold it into
         loss_cfg, num_tokens = _as_token_mean(loss_cfg), 1.0 / run.grad_scale
@@ -205,7 +206,7 @@ def _micro_step(
                     mask,
                     clip=cfg.value_clip,
                     agg="token-mean",
-                    num_tokens=num_tokens,  # the global count / grad_scale, as for the policy
+                    num_tokens=value_tokens,  # the global count / grad_scale
                 )
                 loss = loss + cfg.vf_coef * vloss
         loss.backward()  # d loss / d loss = 1: no extra pass over the logits
