@@ -103,6 +103,26 @@ def test_held_out_split_is_never_trained_on(tmp_path):
     assert len(t.eval_set) == 5 and len(t.task.examples) == 40
 
 
+def test_no_rank_trains_on_the_built_in_eval_prompts_in_order(tmp_path):
+    """A built-in task's prompts of rank r come from a stream of their own: the stream seeded
+    seed * 1_000_003 + r was the eval stream (seed + 1_000_003) at seed 1, rank 1, so under
+    torchrun --seed 1 rank 1 drew exactly the eval prompts, in order (eval accuracy measured on
+    its training draws). The trainer takes its stream from tasks.prompt_stream."""
+    import random
+
+    from fastrl.train.tasks import get_task, prompt_stream
+
+    task = get_task("add")
+    for seed in range(4):
+        ev = [e.prompt for e in task.eval_examples(32, seed)]
+        warm = [e.prompt for e in task.sample(random.Random(seed + 17), 32)]
+        for rank in range(32):
+            drawn = [e.prompt for e in task.sample(prompt_stream(seed, rank), 32)]
+            assert drawn != ev and drawn != warm, (seed, rank)
+    t = Trainer(tiny(tmp_path / "o", seed=1), log=quiet)
+    assert t.state.task_rng.getstate() == prompt_stream(1, 0).getstate()
+
+
 def test_jsonl_prompts_come_in_shuffled_epochs(tmp_path):
     import random
 
@@ -317,11 +337,12 @@ def test_report_to_tensorboard(tmp_path, monkeypatch, capsys):
         rc = main(["train", "--out", str(tmp_path / "x"), "--report-to", "tensorboard"])
         assert rc == 2
         assert "pip install tensorboard" in capsys.readouterr().err
-    scalars = []
+    scalars, opened = [], []
 
     class Writer:
-        def __init__(self, log_dir):
+        def __init__(self, log_dir, purge_step=None):
             self.log_dir = log_dir
+            opened.append(purge_step)
 
         def add_scalar(self, tag, value, step):
             scalars.append((tag, value, step))
@@ -339,6 +360,17 @@ def test_report_to_tensorboard(tmp_path, monkeypatch, capsys):
     tags = {tag for tag, _, _ in scalars}
     assert "reward/eval_accuracy" in tags and "train/loss" in tags and "train/lr" in tags
     assert (tmp_path / "tb" / "metrics.jsonl").is_file()  # beside metrics.jsonl
+    # a resume rewrites the steps after its checkpoint: the events from there on are purged
+    # (they mixed with the new ones); --force deletes an earlier run's event files
+    kw = dict(report_to="tensorboard", warmup_steps=5, save_every=2)
+    Trainer(tiny(tmp_path / "r", steps=2, **kw), log=quiet).train()
+    Trainer(tiny(tmp_path / "r", steps=4, resume=str(tmp_path / "r"), **kw), log=quiet).train()
+    assert opened == [None, None, 3]
+    old = tmp_path / "r" / "tensorboard" / "events.out.tfevents.old"
+    old.parent.mkdir(exist_ok=True)
+    old.write_text("")
+    Trainer(tiny(tmp_path / "r", steps=1, force=True, **kw), log=quiet).train()
+    assert not old.exists()
 
 
 def test_max_time_stops_with_eval_and_checkpoint(tmp_path):

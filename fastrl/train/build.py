@@ -27,7 +27,16 @@ from .rundir import check_out_creatable, check_out_dir
 from .runlog import tensorboard_writer_class
 from .saving import resume, resume_candidates
 from .state import Run, TrainState
-from .tasks import BUILTIN_TASKS, EpochOrder, Example, JsonlTask, Task, get_task, load_jsonl
+from .tasks import (
+    BUILTIN_TASKS,
+    EpochOrder,
+    Example,
+    JsonlTask,
+    Task,
+    get_task,
+    load_jsonl,
+    prompt_stream,
+)
 
 DEFAULT_SFT_STEPS = 1000
 """Supervised warm-up steps of the embedded default (built-in task, no --model)."""
@@ -88,7 +97,7 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
     )
     state = TrainState(
         policy=policy,
-        task_rng=random.Random(cfg.seed * 1_000_003 + rank),
+        task_rng=prompt_stream(cfg.seed, rank),
         sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 7919 * rank),
         shuffle_gen=torch.Generator().manual_seed(cfg.seed + 104729 * (rank + 1)),
         task_order=EpochOrder(cfg.seed, rank, world),

@@ -32,6 +32,14 @@ from .rewards import RewardFn, resolve_reward
 EVAL_SEED_OFFSET = 1_000_003
 
 
+def prompt_stream(seed: int, rank: int) -> random.Random:
+    """Rank `rank`'s stream of training prompts (a built-in task's draws): seeded by a string,
+    so it is never the eval stream (seed + EVAL_SEED_OFFSET) or the warm-up's (seed + 17) of
+    any seed. Its integer seed seed * 1_000_003 + rank was the eval stream's at seed 1, rank 1:
+    rank 1 trained on the eval prompts, in order."""
+    return random.Random(f"fastrl-prompts:{seed}:{rank}")
+
+
 @dataclass(frozen=True)
 class Example:
     """One prompt and the answer a reward function checks completions against."""
