@@ -229,6 +229,22 @@ def test_trl_per_device_batch_size_is_refused_saying_why(capsys):
 
 
 # ----------------------------------------------------------------------- --config FILE
+def test_optional_choices_take_none_and_errors_name_the_flag_given(tmp_path, capsys):
+    """--loss none is its default (the help says None: the preset named like --algo; it was an
+    "invalid choice"), in a config file too; a --grad-accum too large for the batch is named as
+    such, not as "--minibatches=None" (which the user never set and which is valid)."""
+    assert parse("--loss", "none").loss is None and parse("--loss", "gspo").loss == "gspo"
+    f = tmp_path / "c.yaml"
+    f.write_text("loss: null\n")
+    assert parse("--config", str(f)).loss is None
+    rc, _, err = run_cli(capsys, "--batch-size", "2", "--group-size", "2", "--grad-accum", "8",
+                         "--out", str(tmp_path / "o"))  # fmt: skip
+    assert rc == 2 and "--grad-accum=8 is invalid" in err and "8 > 2 * 2" in err, err
+    rc, _, err = run_cli(capsys, "--batch-size", "2", "--group-size", "2", "--minibatches", "8",
+                         "--out", str(tmp_path / "o"))  # fmt: skip
+    assert rc == 2 and "--minibatches=8 is invalid" in err, err
+
+
 def test_config_file_sets_options_and_flags_override_it(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text(

@@ -167,7 +167,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flags = ["--" + n.replace("_", "-") for n in (f.name, *TRL_ALIASES.get(f.name, ()))]
-        extra = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
+        extra = {}
+        if f.name in CHOICES:  # an optional one takes `none` too (parsed to None first)
+            extra = {"choices": (*CHOICES[f.name], *([None] if field_kind(f)[1] else []))}
         if field_kind(f)[0] is bool:  # `--force` alone means true; `--progress false` works too
             extra = {"nargs": "?", "const": True}
         doc = docs.get(f.name, "")

@@ -25,7 +25,8 @@ class TrainConfig:
     algo: str = "grpo"
     """Algorithm: `ppo` (policy + critic, GAE on token rewards, clipped value loss), `grpo` (G
     samples per prompt, group advantages, k3 KL to a frozen reference) or `dapo` (clip-higher,
-    global token-mean, dynamic sampling, overlong shaping and filtering, no KL / reference)."""
+    global token-mean, dynamic sampling, overlong shaping and filtering, no KL / reference).
+    The loss and its KL term are --loss's preset when given (see --loss, --kl-coef)."""
 
     loss: str | None = None
     """The LossConfig preset of the policy loss: ppo, grpo, dapo, dr_grpo, gspo or cispo (None:
@@ -181,9 +182,12 @@ class TrainConfig:
     on the side-by-side benchmark)."""
 
     kl_coef: float | None = None
-    """KL weight beta. grpo: k3 KL in the loss (None = 0.04). ppo: KL-in-reward shaping
-    coefficient (None = 0, no reference model); refused with a --loss preset that has its own
-    in-loss KL (grpo), which it would leave in place. dapo: must be None or 0."""
+    """KL weight beta. grpo / dapo: the in-loss k3 KL (None: the loss preset's own, --loss's
+    else --algo's: grpo 0.04, the others 0; so --algo dapo --loss grpo has a KL of 0.04 and a
+    reference model). dapo: a value other than None or 0 is refused. ppo: the KL-in-reward
+    shaping coefficient (None = 0, no shaping); refused with a --loss preset that has its own
+    in-loss KL (grpo), which it would leave in place. A reference model is loaded whenever
+    either KL is nonzero."""
 
     entropy_coef: float = 0.0
     """Entropy bonus weight in the loss."""
@@ -415,7 +419,14 @@ class TrainConfig:
         ):
             raise bad("minibatches", "None or an integer >= 1")
         if self.batch_size * self.group_size < self.n_minibatches * self.grad_accum:
-            raise bad("minibatches", "minibatches * grad_accum <= batch_size * group_size")
+            default = self.minibatches is None  # then --grad-accum is what exceeds
+            raise bad(
+                "grad_accum" if default else "minibatches",
+                f"minibatches * grad_accum <= batch_size * group_size, here {self.n_minibatches}"
+                f" * {self.grad_accum} > {self.batch_size} * {self.group_size}"
+                + (f" (--minibatches None is {self.n_minibatches} for --algo {self.algo})"
+                   if default else ""),
+            )  # fmt: skip
         for name in ("gamma", "lam"):
             v = getattr(self, name)
             if not _is_real(v) or not 0 <= v <= 1:

@@ -23,10 +23,14 @@ def tensorboard_writer_class():
 class RunLog:
     """Appends each record to metrics.jsonl (rank 0) and, with a writer, to TensorBoard."""
 
-    def __init__(self, path: str, enabled: bool, tb_dir: str | None = None):
+    def __init__(
+        self, path: str, enabled: bool, tb_dir: str | None = None, purge_step: int | None = None
+    ):
+        """purge_step: a resumed run's first step; the TensorBoard events logged from there on
+        by the run it continues are dropped (their records are rewritten)."""
         self.path, self.enabled, self.records, self.tb = path, enabled, [], None
         if enabled and tb_dir is not None:
-            self.tb = tensorboard_writer_class()(log_dir=tb_dir)
+            self.tb = tensorboard_writer_class()(log_dir=tb_dir, purge_step=purge_step)
 
     def __call__(self, rec: dict) -> None:
         self.records.append(rec)

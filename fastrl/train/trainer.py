@@ -52,7 +52,14 @@ from .common import Batch, TrainingError, all_ranks
 from .config import TrainConfig
 from .report import all_zero_hint, run_title, step_record, step_warnings
 from .rewards import RewardError
-from .rundir import METRICS, check_out_dir, make_out_dir, start_run_files
+from .rundir import (
+    METRICS,
+    TENSORBOARD,
+    check_out_dir,
+    make_out_dir,
+    start_run_files,
+    tensorboard_purge_step,
+)
 from .runlog import RunLog, plot_curves, read_metrics
 from .signals import Aborted, Interrupted, StopSignals
 
@@ -181,8 +188,9 @@ class Trainer:
         if run.rank == 0:
             start_run_files(cfg, state.step, run.console.log)
         metrics_path = os.path.join(cfg.out, METRICS)
-        tb_dir = os.path.join(cfg.out, "tensorboard") if cfg.report_to == "tensorboard" else None
-        self.runlog = RunLog(metrics_path, run.rank == 0, tb_dir)
+        tb_dir = os.path.join(cfg.out, TENSORBOARD) if cfg.report_to == "tensorboard" else None
+        purge = tensorboard_purge_step(cfg, state.step)
+        self.runlog = RunLog(metrics_path, run.rank == 0, tb_dir, purge)
         if state.step == 0:
             acc = self._evaluate_or_stop("eval at step 0")
             self.runlog({"step": 0, "eval_accuracy": acc})
