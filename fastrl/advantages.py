@@ -216,8 +216,9 @@ def group_advantages(
     else:
         batch = torch.zeros_like(idx)
         den = _unbiased_std(r - r.mean(), batch, r.new_full((1,), B))[0] + eps  # σ = 0 if B = 1
-    # σ + eps = 0 only with eps = 0 in an all-equal group (or batch), whose A is 0 (not 0 / 0)
-    return torch.where(den > 0, centered / den, 0.0).float()
+    # σ + eps = 0 only with eps = 0 in an all-equal group (or batch), whose A is 0 (not 0 / 0);
+    # a NaN σ (a NaN / inf reward with check=False) stays NaN
+    return torch.where(den == 0, 0.0, centered / den).float()
 
 
 def _packed_group_advantages(rewards, cu_seqlens, mask, **kw) -> Tensor:

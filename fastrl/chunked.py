@@ -285,10 +285,37 @@ def scale_(grad: Tensor, scale: Tensor) -> Tensor:
     loss.backward()). A CPU scale is read (no device sync); on another device the multiply runs
     unconditionally (reading it would sync). The product is formed with the fp32 scale and
     rounded once to grad's dtype, as the Triton kernel does (a scale first rounded to a bf16 /
-    fp16 grad's dtype moved every entry by bf16(s) / s: 1.0019 for loss / 3)."""
+    fp16 grad's dtype moved every entry by bf16(s) / s: 1.0019 for loss / 3). On the CPU the
+    multiply reads a CPU scalar in its own precision; a 0-dim tensor on a GPU is cast to grad's
+    dtype by it, so a half-precision grad there is multiplied in fp32 copies of row chunks."""
     if grad.numel() == 0 or (scale.device.type == "cpu" and float(scale) == 1.0):
         return grad
-    return grad.mul_(scale.to(torch.float32))
+    scale = scale.to(torch.float32)
+    if grad.device.type == "cpu" or grad.dtype in (torch.float32, torch.float64):
+        return grad.mul_(scale)
+    return _scale_in_fp32_(grad, scale)
+
+
+def _scale_in_fp32_(grad: Tensor, scale: Tensor) -> Tensor:
+    """grad *= scale (fp32, 0-dim) for a half-precision grad, each product formed in fp32 and
+    rounded once: on fp32 copies of chunk_rows(V) rows at a time (bounded memory)."""
+    for rows in _row_blocks(grad):  # (R, V) views of grad
+        step = chunk_rows(rows.shape[1])
+        for r0 in range(0, rows.shape[0], step):
+            part = rows[r0 : r0 + step]
+            part.copy_(part.float().mul_(scale))
+    return grad
+
+
+def _row_blocks(t: Tensor) -> list[Tensor]:
+    """2-D (R, last dim) views covering t: one when its leading dims flatten, else one per
+    leading index (a sliced (B, T, V) view)."""
+    if t.dim() <= 1:
+        return [t.view(1, -1)]
+    try:
+        return [t.view(-1, t.shape[-1])]
+    except RuntimeError:
+        return [block for sub in t.unbind(0) for block in _row_blocks(sub)]
 
 
 def _store_rows(out: Tensor, r0: int, r1: int, src: Tensor) -> None:

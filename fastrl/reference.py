@@ -264,7 +264,7 @@ def group_advantages(
     else:
         raise ValueError(f"unknown scale {scale!r}; expected group, batch or none")
     # with eps = 0 an all-equal group (or batch) has std + eps = 0 and A = 0, not 0 / 0
-    return torch.where(std + eps > 0, centered / (std + eps), 0.0).float()
+    return torch.where(std + eps == 0, 0.0, centered / (std + eps)).float()
 
 
 # --------------------------------------------------------------------------- DAPO

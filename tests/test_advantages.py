@@ -263,8 +263,23 @@ def test_group_advantages_with_eps_0_are_0_for_flat_groups(estimator, scale):
         assert not torch.isnan(out).any(), fn
         assert torch.all(out[:3] == 0) and torch.all(out[9:] == 0), fn
         assert (out[3:9] != 0).sum() == 5, fn  # 0.5 is its group's mean
-        torch.testing.assert_close(out, fastrl.group_advantages(REWARDS, group_ids=IDS, **kw))
+        torch.testing.assert_close(out, ref.group_advantages(REWARDS, group_ids=IDS, **kw))
         assert torch.equal(fn(torch.full((4,), 0.7), 2, **kw), torch.zeros(4)), fn
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_group_advantages_unchecked_nan_rewards_stay_nan(scale):
+    """check=False: a NaN or inf reward makes its group's (scale="group") or the batch's
+    ("batch") advantages NaN, never a silent 0 (the eps = 0 guard takes a zero σ only)."""
+    for bad in (float("nan"), float("inf")):
+        r = torch.tensor([1.0, bad, 0.0, 2.0])
+        out = fastrl.group_advantages(r, 2, scale=scale, check=False)
+        want = ref.group_advantages(r, 2, scale=scale)
+        assert torch.isnan(out[:2]).all() and torch.isnan(want[:2]).all(), (out, want)
+        if scale == "batch":
+            assert torch.isnan(out).all() and torch.isnan(want).all()
+        else:
+            torch.testing.assert_close(out[2:], want[2:])
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])

@@ -86,6 +86,25 @@ def test_a_scaled_loss_scales_the_half_precision_gradient_in_fp32(engine, inplac
     assert grads[1].abs().sum() > 0
 
 
+def test_the_fp32_chunk_scaling_of_a_half_precision_gradient(monkeypatch):
+    """chunked._scale_in_fp32_, what scale_ runs for a bf16 / fp16 gradient off the CPU (a
+    0-dim GPU tensor is cast to the gradient's dtype by mul_): the single-rounded product, on a
+    sliced (B, T, V) view that does not flatten and over several row chunks."""
+    from fastrl import chunked
+
+    monkeypatch.setattr(chunked, "chunk_rows", lambda V: 3)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        base = torch.randn(2, 9, 50, generator=g).to(dtype)
+        view = base[:, 2:8]
+        s = torch.tensor(1 / 3)
+        want = (view.float() * s).to(dtype)
+        before = base.clone()
+        chunked._scale_in_fp32_(view, s)
+        assert torch.equal(view, want)
+        assert torch.equal(base[:, :2], before[:, :2]) and torch.equal(base[:, 8:], before[:, 8:])
+
+
 def test_a_scaled_fused_linear_loss_scales_its_half_precision_gradients_in_fp32():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 8, 16, generator=g).bfloat16()

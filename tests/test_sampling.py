@@ -448,10 +448,10 @@ def test_kernel_a_philox_word_near_2_to_32_still_samples_its_token(split_chunk):
     seed = torch.tensor([2871038], dtype=torch.int64, device=dev)
     word = philox_words(seed, torch.zeros(2, dtype=torch.int64, device=dev), True)[0, 2]
     assert word >= 2**32 - 128  # the premise
-    for support_only in (True, False):
-        logits = torch.full((1, 4), float("-inf"), device=dev)
+    for support_only in (True, False):  # V = 8: split_chunk 4 makes two slices (one wins)
+        logits = torch.full((1, 8), float("-inf"), device=dev)
         if not support_only:
-            logits = torch.tensor([[-3.0, -2.0, 0.0, -3.0]], device=dev)
+            logits = torch.tensor([[-3.0, -2.0, 0.0, -3.0, -1.0, -4.0, -2.0, -3.0]], device=dev)
         logits[0, 2] = 0.0 if support_only else 6.0
         tokens, logp, _ = kernel_sampling.sample_rows(
             logits, seed, 1.0, False, split_chunk=split_chunk
