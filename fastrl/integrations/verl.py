@@ -68,7 +68,6 @@ for the seq-mean modes): the registered loss raises a ValueError naming it, as v
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Mapping
@@ -344,7 +343,7 @@ def _linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="no
     (log-probs (N,), entropy (N,)) as verl's kernel does. With a process group (Megatron's
     tensor-parallel vocabulary) or a reduction other than "none", verl's own kernel runs."""
     if dist_process_group is not None or str(reduction).lower() != "none":
-        original = _ORIGINALS[_LCE]
+        original = _ORIGINALS[_LCE]  # verl's, kept by install()
         return original(hidden, weight, labels, temperature, reduction, dist_process_group)
     import fastrl
 
@@ -383,26 +382,22 @@ def install(losses: bool = True, kernels: bool = True) -> list[str]:
             core_algos.register_policy_loss(mode)(make_policy_loss(mode))
             modes.append(mode)
     if kernels:
+        import verl.utils.kernel.linear_cross_entropy as verl_lce
         import verl.utils.torch_functional as verl_F
         from verl.utils.experimental import torch_functional as verl_exp
 
-        new = {
-            "logprobs_from_logits": _logprobs_from_logits,
-            "entropy_from_logits": _entropy_from_logits,
-            "entropy_from_logits_with_chunking": _entropy_from_logits,
-        }
-        originals = {name: _ORIGINALS.get((verl_F.__name__, name), getattr(verl_F, name))
-                     for name in new}  # fmt: skip
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("verl")]:
-            for name, fn in new.items():
-                if module is verl_F or getattr(module, name, None) is originals[name]:
+        routes = [
+            (verl_F, "logprobs_from_logits", _logprobs_from_logits),
+            (verl_F, "entropy_from_logits", _entropy_from_logits),
+            (verl_F, "entropy_from_logits_with_chunking", _entropy_from_logits),
+            (verl_lce, "linear_cross_entropy", _linear_cross_entropy),
+        ]
+        for owner, name, fn in routes:  # the owner and every verl module holding its original
+            original = _ORIGINALS.get((owner.__name__, name), getattr(owner, name))
+            for module in [m for n, m in list(sys.modules.items()) if n.startswith("verl")]:
+                if module is owner or getattr(module, name, None) is original:
                     _patch(module, name, fn)
         _patch(verl_exp.FusedLinearForPPO, "forward", _fused_linear_for_ppo_forward)
-        lce = importlib.import_module(_LCE[0])
-        original = _ORIGINALS.get(_LCE, lce.linear_cross_entropy)
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("verl")]:
-            if module is lce or getattr(module, _LCE[1], None) is original:
-                _patch(module, _LCE[1], _linear_cross_entropy)
     return modes
 
 
