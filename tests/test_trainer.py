@@ -16,14 +16,7 @@ from fastrl.train.config import TrainConfig
 from fastrl.train.rollout import generate, sequence_logprobs
 from fastrl.train.trainer import Batch, Trainer, read_metrics
 
-TIMING = {
-    "tokens_per_s",
-    "step_time_s",
-    "gen_time_s",
-    "reward_time_s",
-    "update_time_s",
-    "elapsed_s",
-}
+TIMING = tiny_run.TIMING
 
 
 def tiny(**kw) -> TrainConfig:

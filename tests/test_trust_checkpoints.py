@@ -103,6 +103,45 @@ def test_a_corrupt_export_is_called_out_but_the_training_state_resumes(
     assert "warning: " in text and "step-000002/hf/model.safetensors: SHA-256 mismatch" in text
 
 
+def _as_if_sampled_on_cuda(ckpt, record_device: bool) -> None:
+    """Make `ckpt`'s sampler generator state what a CUDA run saves (16 bytes: Philox seed and
+    offset), with or without the device an older fastrl did not record, and re-list the sums."""
+    path = ckpt / "state.json"
+    state = json.loads(path.read_text())
+    rng = state["rng"]
+    assert len(rng["generators"]["sample"]) == 5056  # saved on the CPU
+    rng["generators"]["sample"] = list(range(16))
+    if record_device:
+        rng["generator_devices"]["sample"] = "cuda"
+    else:
+        rng.pop("generator_devices", None)
+    path.write_text(json.dumps(state))
+    ckpt_io.write_checksums(str(ckpt))
+
+
+@pytest.mark.parametrize("record_device", [True, False], ids=["recorded", "older"])
+def test_a_checkpoint_sampled_on_another_device_type_resumes_and_says_so(
+    two_step_run, tmp_path, capsys, record_device
+):
+    """A GPU run resumed on the CPU (or back): the sampler's generator state cannot be set on
+    the other device type. It used to make every checkpoint "bad RNG state" (and the resume
+    fail); now the run resumes at the newest checkpoint with a reseeded sampler and says so,
+    and two such resumes draw alike."""
+    steps = []
+    for copy in ("a", "b"):
+        out = tmp_path / copy
+        shutil.copytree(two_step_run, out)
+        for d in ckpt_dirs(out):
+            _as_if_sampled_on_cuda(out / "checkpoints" / d, record_device)
+        rc = main(["train", "--resume", str(out), "--steps", "3", "--progress", "false"])
+        text = capsys.readouterr().out
+        assert rc == 0, text
+        assert "step-000002 at step 2" in text and "skipping" not in text, text
+        assert "sample generator" in text and "saved on cuda and this run's is on cpu" in text
+        steps.append(tiny_run.untimed(read_metrics(str(out / "metrics.jsonl"))[-1]))
+    assert steps[0]["step"] == 3 and steps[0] == steps[1]
+
+
 # ----------------------------------------------------------------------- the export's tokenizer
 def test_the_export_reloads_the_training_tokenizer_token_for_token(tmp_path):
     from transformers import AutoTokenizer

@@ -22,7 +22,22 @@ def cli_args(fields: dict) -> list[str]:
     return [a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v).lower())]
 
 
-TINY = cli_args(TINY_FIELDS)  # the same as `fastrl train` flags
+TINY = cli_args(TINY_FIELDS)
+
+TIMING = {
+    "tokens_per_s",
+    "step_time_s",
+    "gen_time_s",
+    "reward_time_s",
+    "update_time_s",
+    "elapsed_s",
+}
+"""The metrics that time the run (they differ between two runs that compute alike)."""
+
+
+def untimed(row: dict) -> dict:
+    """A metrics row without its timings."""
+    return {k: v for k, v in row.items() if k not in TIMING}  # the same as `fastrl train` flags
 
 
 def tiny(out=None, **kw) -> TrainConfig:

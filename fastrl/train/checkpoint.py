@@ -56,6 +56,7 @@ def rng_state(extra_generators: dict[str, torch.Generator], pyrngs: dict[str, ra
         "python": _py_state(random.getstate()),
         "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
         "generators": {k: g.get_state().tolist() for k, g in extra_generators.items()},
+        "generator_devices": {k: g.device.type for k, g in extra_generators.items()},
         "pyrngs": {k: _py_state(r.getstate()) for k, r in pyrngs.items()},
     }
     if torch.cuda.is_available():
@@ -73,18 +74,37 @@ def _py_unstate(s):
 
 def set_rng_state(
     state, extra_generators: dict[str, torch.Generator], pyrngs: dict[str, random.Random]
-) -> None:
-    """Restore what `rng_state` saved."""
+) -> dict[str, str]:
+    """Restore what `rng_state` saved. A generator's state holds only on its own device type
+    (a CPU generator keeps a Mersenne Twister, a CUDA one a Philox seed and offset): those of
+    `extra_generators` saved on another device type are left as they are and returned, name ->
+    the device type they were saved on, for the caller to reseed."""
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     random.setstate(_py_unstate(state["python"]))
     n = state["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), int(n[2]), int(n[3]), n[4]))
+    elsewhere = {}
     for k, g in extra_generators.items():
-        g.set_state(torch.tensor(state["generators"][k], dtype=torch.uint8))
+        saved = state["generators"][k]
+        device = state.get("generator_devices", {}).get(k) or _state_device(saved)
+        if device != g.device.type:
+            elsewhere[k] = device
+            continue
+        g.set_state(torch.tensor(saved, dtype=torch.uint8))
     for k, r in pyrngs.items():
         r.setstate(_py_unstate(state["pyrngs"][k]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    return elsewhere
+
+
+_CPU_STATE_BYTES = torch.Generator().get_state().numel()  # 5056: the Mersenne Twister's
+
+
+def _state_device(saved: list) -> str:
+    """The device type of a saved generator state from a checkpoint that does not record it
+    (an older fastrl's): a CPU generator's state has a fixed size, an accelerator's does not."""
+    return "cpu" if len(saved) == _CPU_STATE_BYTES else "cuda"
 
 
 # --------------------------------------------------------------------------- checksums

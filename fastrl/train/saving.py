@@ -4,6 +4,7 @@ checkpoint files themselves (atomic, with SHA256SUMS) are fastrl/train/checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -161,12 +162,28 @@ def _load(run: Run, state: TrainState, ckpt: str) -> None:
     rng = ckpt_io.load_rank_rng(ckpt, run.rank)
     path = os.path.join(ckpt, f"rng_rank{run.rank}.json" if rng else "state.json")
     try:
-        state.set_rng_state(rng or meta["rng"])
+        elsewhere = state.set_rng_state(rng or meta["rng"])
     except Exception as e:
         raise ckpt_io.CorruptCheckpoint(path, f"bad RNG state ({type(e).__name__}: {e})") from e
     state.step = meta["step"]
     run.console.log(f"resumed from {ckpt} at step {state.step}")
+    for name, saved_on in elsewhere.items():
+        gen = state.generators()[name]
+        gen.manual_seed(_reseed(run.cfg.seed, run.rank, state.step, name))
+        run.console.log(
+            f"note: the {name} generator of {ckpt} was saved on {saved_on} and this run's is on "
+            f"{gen.device.type}; a generator's state does not carry across device types, so it "
+            f"starts afresh from a seed of --seed, the rank and the step: the run goes on, but "
+            f"draws other samples than one that stayed on {saved_on} would"
+        )
     _check_export(run, ckpt)
+
+
+def _reseed(seed: int, rank: int, step: int, name: str) -> int:
+    """A 63-bit seed that is a function of its arguments only (two resumes of one checkpoint
+    draw alike)."""
+    digest = hashlib.sha256(f"fastrl/{name}/{seed}/{rank}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _check_world(run: Run, ckpt: str, meta: dict) -> None:

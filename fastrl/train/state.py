@@ -114,9 +114,16 @@ class TrainState:
         own), JSON-able: what a checkpoint saves, and a snapshot `set_rng_state` restores."""
         return {**ckpt_io.rng_state(*self._rngs()), "task_drawn": self.task_order.drawn}
 
-    def set_rng_state(self, state: dict) -> None:
-        ckpt_io.set_rng_state(state, *self._rngs())
+    def set_rng_state(self, state: dict) -> dict[str, str]:
+        """Restore `state`; return the generators (name -> the device type their state was
+        saved on) it could not restore because they now live on another device type."""
+        elsewhere = ckpt_io.set_rng_state(state, *self._rngs())
         self.task_order.drawn = int(state.get("task_drawn", 0))  # absent: an older checkpoint
+        return elsewhere
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """The run's torch generators by the name a checkpoint stores them under."""
+        return {"sample": self.sample_gen, "shuffle": self.shuffle_gen}
 
     def _rngs(self) -> tuple[dict, dict]:
-        return {"sample": self.sample_gen, "shuffle": self.shuffle_gen}, {"task": self.task_rng}
+        return self.generators(), {"task": self.task_rng}
