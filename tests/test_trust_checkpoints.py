@@ -142,6 +142,21 @@ def test_a_checkpoint_sampled_on_another_device_type_resumes_and_says_so(
     assert steps[0]["step"] == 3 and steps[0] == steps[1]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_run_moves_between_cpu_and_cuda(tmp_path, capsys):
+    """The real thing of the test above: 2 steps on the CPU, one more on CUDA, one more back."""
+    out = tmp_path / "run"
+    Trainer(tiny(out, steps=2, save_every=1, device="cpu"), log=lambda *a: None).train()
+    for steps, device, saved in (("3", "cuda", "cpu"), ("4", "cpu", "cuda")):
+        argv = ["train", "--resume", str(out), "--steps", steps, "--device", device]
+        rc = main([*argv, "--progress", "false"])
+        text = capsys.readouterr().out
+        assert rc == 0, text
+        assert f"saved on {saved} and this run's is on {device}" in text, text
+    assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2, 3, 4]
+
+
 # ----------------------------------------------------------------------- the export's tokenizer
 def test_the_export_reloads_the_training_tokenizer_token_for_token(tmp_path):
     from transformers import AutoTokenizer
