@@ -227,12 +227,15 @@ def _policy_grad(x, inplace: bool, weights):
 
 def _check_inplace(logits: Tensor) -> None:
     """inplace=True writes the gradient into the logits' storage: refuse storage that autograd
-    or the caller still owns (a leaf or a view of one; expanded / overlapping memory)."""
-    base = logits if logits._base is None else logits._base
-    if base.is_leaf and base.requires_grad:
+    or the caller still owns: a leaf (whatever its base: `x[:, :-1].requires_grad_()` is a
+    leaf whose storage is the caller's x) or a view of a leaf (one that requires grad or not);
+    expanded / overlapping memory."""
+    base = logits._base
+    if logits.is_leaf or (base is not None and base.is_leaf):
         raise ValueError(
             f"inplace=True would overwrite logits {tuple(logits.shape)} that are (a view of) a "
-            "leaf tensor requiring grad, i.e. the caller's own tensor: use inplace=False, or pass "
+            "leaf tensor (one made with requires_grad_(), or its base), i.e. the caller's own "
+            "tensor: use inplace=False, or pass "
             "logits produced by an op (e.g. the lm_head's output)"
         )
     if any(st == 0 and n > 1 for st, n in zip(logits.stride(), logits.shape)):

@@ -263,6 +263,15 @@ def test_inplace_refuses_storage_it_must_not_overwrite():
     wide = torch.randn(2, 5, 11, requires_grad=True)
     with pytest.raises(ValueError, match="leaf"):
         fastrl.policy_loss(wide[:, :-1], **b, inplace=True)  # a view of a leaf
+    # a leaf made from a view of the caller's own tensor (which needs no grad): its storage is
+    # the caller's, and a view of such a leaf too
+    cached = torch.randn(2, 5, 11)
+    keep = cached.clone()
+    for made in (lambda: cached[:, :-1].requires_grad_(),
+                 lambda: cached[:, :-1].requires_grad_()[:, :]):  # fmt: skip
+        with pytest.raises(ValueError, match="leaf"):
+            fastrl.policy_loss(made(), **b, inplace=True)
+    assert torch.equal(cached, keep)
     base = torch.randn(1, 4, 11, requires_grad=True)
     expanded = (base * 1.0).expand(2, 4, 11)
     with pytest.raises(ValueError, match="expanded"):
