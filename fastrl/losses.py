@@ -207,6 +207,14 @@ def policy_loss_from_logprobs(
         )
     lp = logp.float().reshape(x.mask.shape)
     ent = torch.zeros_like(lp) if entropy is None else entropy.float().reshape(x.mask.shape)
+    # What the mask excludes never reaches the loss or its gradient: at a masked token the
+    # per-token math gets a detached copy of the caller's logp (and entropy). The loss never
+    # reads it there (every sum is masked), but a NaN / -inf value gives an inf in exp's or a
+    # product's backward, and 0 * inf = NaN would reach the caller's logp (and through its
+    # backward the model's weights); a detached branch hands nothing back. Same values: the
+    # outputs (logp, entropy, kl) are those of `policy_loss` on the same log-probs.
+    counted = x.mask > 0
+    lp, ent = (torch.where(counted, t, t.detach()) for t in (lp, ent))
     return policy_output(lp, ent, x)
 
 

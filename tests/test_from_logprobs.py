@@ -80,3 +80,38 @@ def test_bad_inputs_name_the_argument():
         fastrl.policy_loss_from_logprobs(logp, None, torch.ones(2), entropy_coef=0.1)
     with pytest.raises(ValueError, match="advantages"):
         fastrl.policy_loss_from_logprobs(logp, None, torch.ones(5))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(config="grpo", kl_coef=0.1),  # k3: exp(ref - logp)
+        dict(config="cispo"),  # the product r * A * logp
+        dict(config="ppo", kl_coef=0.1, kl_bias_correction=True),
+        dict(config="gspo", kl_coef=0.1, entropy_coef=0.01),
+    ],
+)
+def test_a_masked_non_finite_logp_reaches_neither_loss_nor_gradient(cfg, bad):
+    """README: a NaN or inf log-prob (or entropy) at a masked token changes neither the loss nor
+    its gradient. A -inf logp at padding (a pad id masked out of the vocabulary) used to give a
+    NaN dloss/dlogp there (torch.where's zero gradient times exp's inf), which the caller's
+    backward carries into the whole weight gradient. The outputs keep the caller's values."""
+    logits, tokens, adv, old, ref, mask = _batch()
+    clean = [t.requires_grad_() for t in R.token_logprobs(logits, tokens)]
+    want = fastrl.policy_loss_from_logprobs(*clean, adv, old, ref, mask, **cfg)
+    want.loss.backward()
+    lp, ent = (t.detach().clone() for t in clean)
+    lp[mask == 0] = bad
+    ent[mask == 0] = bad
+    lp.requires_grad_(), ent.requires_grad_()
+    out = fastrl.policy_loss_from_logprobs(lp, ent, adv, old, ref, mask, **cfg)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss)
+    torch.testing.assert_close(lp.grad, clean[0].grad)
+    assert not lp.grad[mask == 0].any()
+    if "entropy_coef" in cfg:
+        torch.testing.assert_close(ent.grad, clean[1].grad)
+        assert not ent.grad[mask == 0].any()
+    torch.testing.assert_close(out.logp, lp.detach(), equal_nan=True)
+    torch.testing.assert_close(out.entropy, ent.detach(), equal_nan=True)
