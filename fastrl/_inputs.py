@@ -50,7 +50,9 @@ def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> 
     """A mask of `shape` on `device`: bool, integer 0/1 (e.g. TRL's int64 completion_mask) or
     float >= 0 (1 = counts). fp32 when `as_float`. The values (no NaN, no negative weight, integer
     masks 0/1) are checked on CPU tensors outside torch.compile only: on an accelerator that
-    would be a host sync, and in a compiled graph a graph break."""
+    would be a host sync, and in a compiled graph a graph break. A mask is a constant of every
+    loss (like the advantages): returned detached, no gradient flows to a float mask that
+    requires grad (the fused ops have no derivative w.r.t. it)."""
     ok = isinstance(mask, Tensor) and tuple(mask.shape) == tuple(shape)
     ok = ok and mask.device == torch.device(device)
     ok = ok and mask.dtype != torch.complex64 and mask.dtype != torch.complex128
@@ -72,6 +74,7 @@ def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> 
                 f"{name} must hold {what}, got values in [{mask.min().item()}, "
                 f"{mask.max().item()}] ({describe(mask)})"
             )
+    mask = mask.detach()
     return mask.float() if as_float else mask
 
 

@@ -154,7 +154,8 @@ def linear_logprobs(
     hidden (B, T, H) or (N, H), fp32 / bf16 / fp16, any strides (a `hidden[:, P-1:-1]` view is
     not copied: rows are gathered chunk by chunk); weight (V, H) (and bias (V,)) in the same
     dtype; tokens (B, T) / (N,) int64 / int32 in [0, V); mask like tokens (bool, 0/1 integer or
-    float): rows with mask == 0 are skipped (no GEMM work; logp = H = 0 there, zero gradient).
+    float): rows with mask == 0 are skipped (no GEMM work; logp = H = 0 there, zero gradient);
+    a constant (detached: no gradient flows to a float mask).
 
     Math: z = softcap(s (h W^T + b)) with s = logit_scale and softcap(a) = c tanh(a / c) when
     `softcap` = c is set (Gemma), z' = z / temperature, logp_t = z'_y - logsumexp(z'),

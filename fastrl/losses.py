@@ -75,7 +75,9 @@ def policy_loss(
         tokens        (B, T) or (N,), int64 or int32, in [0, V). Checked on CPU tensors; on CUDA an
                       out-of-range token makes its logp (hence the loss) NaN, never a wrong number.
         advantages    (B,), (B, T), or (N,) / (1, N) with flat inputs
-        old_logp, ref_logp, rollout_logp, mask: like tokens (mask bool or float, 1 = counts).
+        old_logp, ref_logp, rollout_logp, mask: like tokens (mask bool, 0/1 integer or float
+                      >= 0, 1 = counts). Constants of the loss: detached, no gradient flows to
+                      them (nor to the advantages), also when they require grad.
         config        a LossConfig, a preset name or None (= ppo); keyword `overrides` replace its
                       fields (num_tokens / num_seqs may be 0-dim tensors: no host sync).
         temperature   (an override) a float, or a tensor of per-token temperatures tau_t: like
@@ -182,9 +184,10 @@ def policy_loss_from_logprobs(
 
     Shapes: logp (B, T) or (N,), float (computed in fp32); entropy like logp, or None (then H = 0:
     no entropy bonus allowed, the `entropy` metric is 0); advantages (B,), (B, T) or (N,);
-    old_logp / ref_logp / rollout_logp / mask like logp; config, overrides and packed sequences
-    (`cu_seqlens`, `max_seqlen` with (N,) inputs) as in `policy_loss`. O(N) work: the per-token
-    math of `fastrl.terms`, plain autograd."""
+    old_logp / ref_logp / rollout_logp / mask like logp (constants: detached, as in
+    `policy_loss`, so no gradient reaches a mask that requires grad); config, overrides and
+    packed sequences (`cu_seqlens`, `max_seqlen` with (N,) inputs) as in `policy_loss`. O(N)
+    work: the per-token math of `fastrl.terms`, plain autograd."""
     if not isinstance(logp, Tensor) or not logp.is_floating_point() or logp.dim() not in (1, 2):
         raise ValueError(f"logp must be a (B, T) or (N,) float tensor, got {describe(logp)}")
     if entropy is not None and (

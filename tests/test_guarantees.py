@@ -8,6 +8,7 @@ large logit offsets, extreme temperatures and masked non-finite entries.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -62,6 +63,36 @@ def test_inputs_that_require_grad_are_constants(engine):
                         old.detach(), config="dapo")  # fmt: skip
     torch.testing.assert_close(out.loss, ref.loss.detach())
     assert x.grad.abs().sum() > 0  # an on-policy gradient, not silently zero
+
+
+def test_a_mask_that_requires_grad_is_a_constant():
+    """A float mask that requires grad gets no gradient from any loss or LM-head op, and the
+    fused ops see a detached one (no autograd warning "an autograd kernel was not registered",
+    which used to drop the mask's gradient silently while policy_loss_from_logprobs
+    differentiated through it)."""
+    b = batch()
+    logits, tokens, adv = b["logits"], b["tokens"], b["advantages"]
+    mask = torch.rand(tokens.shape).requires_grad_()
+    B, T = tokens.shape
+    hidden = torch.randn(B, T, 5, requires_grad=True)
+    weight = torch.randn(logits.shape[-1], 5, requires_grad=True)
+    lp = R.token_logprobs(logits, tokens)[0].requires_grad_()
+    calls = [
+        lambda m: fastrl.policy_loss(logits.clone().requires_grad_() * 1.0, tokens, adv,
+                                     b["old_logp"], mask=m, config="dapo").loss,
+        lambda m: fastrl.policy_loss(logits.clone().requires_grad_() * 1.0, tokens, adv,
+                                     b["old_logp"], mask=m, config="gspo").loss,
+        lambda m: fastrl.policy_loss_from_logprobs(lp, None, adv, b["old_logp"], mask=m).loss,
+        lambda m: fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, mask=m).loss,
+        lambda m: fastrl.linear_logprobs(hidden, weight, tokens, mask=m).sum(),
+    ]  # fmt: skip
+    for call in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # autograd's "not registered" warning included
+            loss = call(mask)
+            loss.backward()
+        assert mask.grad is None
+        torch.testing.assert_close(loss.detach(), call(mask.detach()).detach())
 
 
 @pytest.mark.parametrize("inplace", [False, True])
