@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,6 +324,23 @@ def test_inplace_then_reading_the_logits_is_caught_by_autograd():
     out = fastrl.policy_loss(z, **b, inplace=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (out.loss + other.sum()).backward()
+
+
+def test_inplace_then_a_later_reader_gets_the_gradient_as_the_readme_says():
+    """Only a reader that saved the logits before the call is caught (above): one after the
+    call reads the gradient, and nothing raises. The README says so (it used to promise an
+    error at backward for a later reader too)."""
+    b = batch()
+    x = b.pop("logits").clone().requires_grad_()
+    z = x * 1.0
+    out = fastrl.policy_loss(z, **b, inplace=True)
+    later = torch.logsumexp(z, -1).sum()  # saves z (now the gradient) for its backward
+    (out.loss + later).backward()
+    assert not torch.isclose(later, torch.logsumexp(x.detach(), -1).sum())
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = " ".join(readme.split())
+    assert "a later reader that autograd tracks raises" not in text
+    assert "a reader after the call silently gets the gradient in place of the logits" in text
 
 
 @pytest.mark.parametrize("sl", [slice(3, -1), slice(0, None), slice(2, 6)])
