@@ -429,10 +429,15 @@ def policy_output(logp: Tensor, entropy: Tensor, x, weights: Tensor | None = Non
         w_max = terms.masked_max(is_w["is_weight_raw"], mask)
         metrics.update(is_weight_mean=w_mean, is_clipfrac=over, is_weight_max=w_max)
     loss = totals[0]  # Σ_t c_t L_t
-    if cfg.agg.startswith("seq-") and isinstance(x.num_seqs, Tensor):
-        # a count that is not a finite number > 0 makes `aggregate` NaN even where nothing
-        # counts (every c_t is 0 there): the same here, never a finite loss from a bad count
-        loss = loss + 0.0 * terms._positive_count(x.num_seqs, loss.device)
+    # a caller's tensor count that is not a finite number > 0 makes `aggregate` NaN even where
+    # nothing counts (every c_t is 0 there): the same here, never a finite loss from a bad count
+    count = None
+    if cfg.agg == "token-mean":
+        count = x.num_tokens
+    elif cfg.agg.startswith("seq-"):
+        count = x.num_seqs
+    if isinstance(count, Tensor):
+        loss = loss + 0.0 * terms._positive_count(count, loss.device)
     shape = x.mask.shape
     return terms.PolicyLossOutput(
         loss=loss,

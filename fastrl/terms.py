@@ -167,11 +167,16 @@ def aggregate(
     if agg == "token-mean":
         total = masked_sum(loss_mat, m)
         local_tokens, any_counted, _ = m.count()
+        bad_count = None  # a caller's tensor count: NaN when it is not a finite number > 0
         if num_tokens is None:
             num_tokens = local_tokens
+        elif isinstance(num_tokens, Tensor):
+            bad_count = 0.0 * _positive_count(num_tokens, device)
         num_tokens = _positive_count(num_tokens, device)
-        # an empty batch sums to 0: the loss (and its gradient) is 0 there, not NaN
-        return torch.where(any_counted, total / num_tokens, m.zero)
+        # an empty batch sums to 0: the loss (and its gradient) is 0 there, not NaN; a caller's
+        # bad tensor count still makes it NaN (as the seq-mean aggregations do)
+        loss = torch.where(any_counted, total / num_tokens, m.zero)
+        return loss if bad_count is None else loss + bad_count
     if agg == "seq-mean-token-mean":
         per_seq = masked_sum(loss_mat, m, dim=-1) / m.lengths().clamp(min=1)
         return per_seq.sum() / num_seqs

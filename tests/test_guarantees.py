@@ -452,6 +452,35 @@ def test_tensor_counts_never_give_a_finite_wrong_loss(bad):
             fastrl.policy_loss(**b, agg=agg, **{key: bad})
 
 
+@pytest.mark.parametrize("bad", [0.0, -6.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_bad_tensor_count_gives_nan_also_with_an_empty_mask(engine, agg, bad):
+    """A rank whose mask is empty with a bad all-reduced count: NaN under token-mean as under
+    seq-mean (token-mean gave 0), on the logits path (both backends), from log-probs and from
+    the LM head; the gradient stays 0 (nothing counts)."""
+    device, _ = engine
+    b = batch(device=device)
+    b["mask"] = torch.zeros_like(b["mask"])
+    key = "num_tokens" if agg == "token-mean" else "num_seqs"
+    kw = {"agg": agg, key: torch.tensor(bad, device=device)}
+    out, grad = grad_of(fastrl.policy_loss, b.pop("logits"), **b, **kw)
+    assert torch.isnan(out.loss) and not grad.any()
+    with torch.no_grad():
+        nograd = dict(batch(device=device), mask=b["mask"])
+        assert torch.isnan(fastrl.policy_loss(**nograd, **kw).loss)
+    lp = torch.zeros(b["tokens"].shape, device=device, requires_grad=True)
+    out = fastrl.policy_loss_from_logprobs(lp, None, b["advantages"], b["old_logp"], **kw,
+                                           mask=b["mask"])  # fmt: skip
+    out.loss.backward()
+    assert torch.isnan(out.loss) and not lp.grad.any()
+    hidden = torch.randn(*b["tokens"].shape, 5, device=device, requires_grad=True)
+    weight = torch.randn(11, 5, device=device, requires_grad=True)
+    out = fastrl.fused_linear_policy_loss(hidden, weight, b["tokens"], b["advantages"],
+                                          b["old_logp"], mask=b["mask"], **kw)  # fmt: skip
+    out.loss.backward()
+    assert torch.isnan(out.loss) and not weight.grad.any()
+
+
 @pytest.mark.parametrize("agg", fastrl.config.AGGS)
 def test_empty_batch_gives_zero_under_every_aggregation(agg):
     """B = 0 (e.g. a micro-batch that dynamic sampling emptied): loss 0, never 0 / 0."""
