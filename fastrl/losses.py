@@ -103,8 +103,10 @@ def policy_loss(
     tokens, fp32, detached), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
     clipfrac_high, dualclip_frac, approx_kl, kl, entropy, ratio_mean, ratio_max, and
     is_weight_mean / is_weight_max / is_clipfrac with rollout IS)). Nothing syncs with the host
-    unless `check_finite=True`, which raises a ValueError when the loss or a logp is NaN / inf
-    (NaN / inf in the logits otherwise propagate to the loss, never hidden).
+    unless `check_finite=True`, which raises a ValueError when the loss or the logp of a counted
+    token (mask > 0) is NaN / inf (NaN / inf in the logits of a counted row otherwise propagate
+    to the loss, never hidden; a masked row's, which reach neither the loss nor its gradient,
+    pass the check too).
 
     inplace=True: this call overwrites the logits' storage with dloss/dlogits (no new (N, V)
     buffer; the gradient that flows back *is* the logits tensor). Safe only when nothing else
@@ -159,7 +161,7 @@ def policy_loss(
         logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature)
         out = ops.policy_output(logp, entropy, x)
     if check_finite:
-        _check_finite(out.loss, logp)
+        _check_finite(out.loss, x.unflatten(logp), x.unflatten(x.mask))
     return out
 
 
@@ -256,19 +258,22 @@ def _check_inplace(logits: Tensor) -> None:
         )
 
 
-def _check_finite(loss: Tensor, logp: Tensor) -> None:
-    """Raise if the loss or any logp is NaN / inf (a host sync: opt-in)."""
+def _check_finite(loss: Tensor, logp: Tensor, mask: Tensor) -> None:
+    """Raise if the loss or the logp of a counted token (mask > 0; logp and mask like tokens) is
+    NaN / inf (a host sync: opt-in). A masked token's logp reaches nothing: not checked."""
     if not bool(torch.isfinite(loss)):
         raise ValueError(
-            f"policy_loss: the loss is {loss.item()} (not finite); check the logits for NaN/inf "
-            "and the tokens for values outside [0, V)"
+            f"policy_loss: the loss is {loss.item()} (not finite); check the logits for NaN/inf, "
+            "the tokens for values outside [0, V) and a tensor num_tokens / num_seqs for a "
+            "value that is not a finite number > 0"
         )
-    bad = ~torch.isfinite(logp.detach())
+    bad = ~torch.isfinite(logp.detach()) & (mask > 0)
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
         raise ValueError(
             f"policy_loss: logp of shape {tuple(logp.shape)} has {int(bad.sum())} non-finite "
-            f"value(s), first at index {where}; check the logits for NaN/inf and the tokens for "
+            f"value(s) at counted tokens, first at index {where}; check the logits for NaN/inf "
+            "and the tokens for "
             "values outside [0, V)"
         )
 

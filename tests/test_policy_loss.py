@@ -406,6 +406,17 @@ def test_nan_logits_propagate_and_check_finite(engine):
     out = fastrl.policy_loss(batch["logits"], **rest)
     ref = R.policy_loss(batch["logits"], **rest)
     assert torch.isfinite(out.loss) and torch.allclose(out.loss, ref.loss, atol=1e-5)
+    # ... nor check_finite (README: it turns a non-finite loss into an error; this one is
+    # finite, and so is the gradient), also with a gradient and on flat rows
+    for z, kw in ((batch["logits"], rest),
+                  (batch["logits"].reshape(6, 11), {k: v.reshape(6) for k, v in rest.items()
+                                                    if k != "advantages"})):  # fmt: skip
+        if "advantages" not in kw:
+            kw = dict(kw, advantages=rest["advantages"][:, None].expand(2, 3).reshape(6))
+        x = z.clone().requires_grad_()
+        out = fastrl.policy_loss(x * 1.0, **kw, check_finite=True)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
 
 
 def test_check_finite_passes_on_good_input(engine):
