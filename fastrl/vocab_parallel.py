@@ -233,7 +233,8 @@ def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]
     d = lse_r - lse_own  # (P, R)
     log_mass = torch.logsumexp(d, 0)  # lse - lse_own
     pi = torch.exp(d - log_mass)
-    entropy = torch.where(pi > 0, pi * (h_r + (log_mass - d)), 0.0).sum(0)
+    # a shard with no mass adds 0 (not 0 * inf); a NaN row (a NaN / inf logit: NaN pi) stays NaN
+    entropy = torch.where(pi == 0, 0.0, pi * (h_r + (log_mass - d))).sum(0)
     logp = lp_r.gather(0, own)[0] - log_mass
     return logp, entropy, lse_own[0] + log_mass
 

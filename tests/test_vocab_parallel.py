@@ -159,6 +159,28 @@ def _check_nearly_one_hot(rows, group):
         )
 
 
+def _check_nan_row(b, rows, group):
+    """A counted row with a NaN hidden state (every logit NaN): logp and entropy NaN as on one
+    device, the loss NaN; the merge made its entropy 0.0 (NaN > 0 is False), and the entropy
+    metric finite."""
+    hidden = b["hidden"].clone()
+    hidden[1, 2] = float("nan")
+    mask = b["mask"].clone()
+    mask[1, 2] = True
+    w, bias = b["weight"][rows], b["bias"][rows]
+    logp, ent = fastrl.linear_logprobs(hidden, w, b["tokens"], bias=bias, entropy=True,
+                                       mask=mask, group=group)  # fmt: skip
+    want_lp, want_h = fastrl.linear_logprobs(hidden, b["weight"], b["tokens"], bias=b["bias"],
+                                             entropy=True, mask=mask)  # fmt: skip
+    assert torch.isnan(want_h[1, 2]) and torch.isnan(ent[1, 2]) and torch.isnan(logp[1, 2])
+    torch.testing.assert_close(ent, want_h, equal_nan=True, **TOL)
+    torch.testing.assert_close(logp, want_lp, equal_nan=True, **TOL)
+    out = fastrl.fused_linear_policy_loss(hidden, w, b["tokens"], b["adv"], mask=mask, bias=bias,
+                                          config="dapo", group=group)  # fmt: skip
+    assert torch.isnan(out.entropy[1, 2]) and torch.isnan(out.metrics["entropy"])
+    assert torch.isnan(out.loss)
+
+
 def _check_bad_inputs(b, rows, group, rank):
     w, bias = b["weight"][rows], b["bias"][rows]
     too_big = b["tokens"].clone()
@@ -233,6 +255,7 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="grpo", entropy_coef=0.01, temperature=b["tau"])
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
             _check_nearly_one_hot(rows, group)
+            _check_nan_row(b, rows, group)
         _check_no_mask_reads_no_rows(b, rows, group)
         _check_dtensor(b, world)
         start = sum(SHARDS[world][0][:rank])
