@@ -31,6 +31,8 @@ the active rows) and hands the backends the (1, R) tensor; without it the float 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -369,7 +371,9 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     hidden, weight, bias, tokens, mask, logp, lse, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
-    with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtype, as is
+    kind = hidden.device.type  # (no autocast on `meta`: torch.autocast("meta") raises)
+    off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else None
+    with off or contextlib.nullcontext():  # the forward's dtype, as is
         dh, dw, db = linear_token_stats_backward(
             hidden,
             weight,

@@ -221,6 +221,26 @@ def test_without_a_mask_every_row_counts_without_reading_one(monkeypatch):
     assert seen[-1] is not None
 
 
+@pytest.mark.parametrize("preset", ["grpo", "gspo"])  # one pass; two phases
+def test_meta_tensors_give_shapes(preset):
+    """On the `meta` device (shape inference, deferred init) the LM-head ops give the right
+    shapes forward and backward, as policy_loss / logprobs do; the autocast probe
+    (torch.is_autocast_enabled("meta") raises) made them fail."""
+    hidden, weight, bias, tokens, adv, old, ref, mask = (
+        None if t is None else t.detach().to("meta") for t in make()
+    )
+    hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
+    logp, ent = fastrl.linear_logprobs(hidden, weight, tokens, bias=bias, entropy=True, mask=mask)
+    assert logp.shape == ent.shape == tokens.shape and logp.dtype == torch.float32
+    (logp.sum() + ent.sum()).backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+    out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, ref, mask,
+                                          config=preset, bias=bias)  # fmt: skip
+    out.loss.backward()
+    assert out.loss.shape == () and out.logp.shape == tokens.shape
+    assert bias.grad.shape == bias.shape and out.loss.device.type == "meta"
+
+
 def test_flat_inputs_and_strided_view():
     hidden, weight, b, tokens, adv, old, ref, mask = make(B=1, T=9)
     flat = (hidden[0], weight, b, tokens[0], torch.randn(9), old[0], ref[0], mask[0])
