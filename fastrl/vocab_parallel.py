@@ -29,8 +29,9 @@ and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j) - h
 per-token inputs), where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r stay
 local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
 
-Collectives per call: one all-gather of 8 int64 per rank (shard sizes, row counts, chunk size,
-token range, an input-check flag: the one host read of the call) that checks the inputs are
+Collectives per call: one all-gather of 10 int64 per rank (an input-check flag, the shard index,
+the shard size, N, the counted rows, the chunk size, the token min and max, and 2 for the
+temperature's fingerprint: the one host read of the call) that checks the inputs are
 replicated and gives the offsets; then `linear_logprobs`: forward one all-gather of (R, 3) fp32
 (R = rows whose mask is not 0), backward one all-reduce of dX (N, H); `fused_linear_policy_loss`
 with a token-separable config: one (chunk, 3) all-gather per chunk of rows (three GEMMs per

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +161,28 @@ def _check_nearly_one_hot(rows, group):
         )
 
 
+def _plan_ints_in_the_docs() -> set[int]:
+    """The plan all-gather's size as the module docstring and docs/DESIGN.md state it."""
+    from fastrl import vocab_parallel as vp
+
+    design = (Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md").read_text()
+    found = re.findall(r"all-gather of (\d+) int64", " ".join((vp.__doc__ + design).split()))
+    assert len(found) >= 2, found
+    return {int(n) for n in found}
+
+
+def _check_plan_size(b, rows, group):
+    """The plan's one all-gather is as many int64 as the docs say (they said 8; it is 10)."""
+    seen, real = [], dist.all_gather
+    dist.all_gather = lambda out, t, **kw: seen.append((t.dtype, t.numel())) or real(out, t, **kw)
+    try:
+        fastrl.linear_logprobs(b["hidden"], b["weight"][rows], b["tokens"], group=group)
+    finally:
+        dist.all_gather = real
+    assert seen[0][0] == torch.int64
+    assert _plan_ints_in_the_docs() == {seen[0][1]}
+
+
 def _check_nan_row(b, rows, group):
     """A counted row with a NaN hidden state (every logit NaN): logp and entropy NaN as on one
     device, the loss NaN; the merge made its entropy 0.0 (NaN > 0 is False), and the entropy
@@ -256,6 +280,7 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
             _check_nearly_one_hot(rows, group)
             _check_nan_row(b, rows, group)
+            _check_plan_size(b, rows, group)
         _check_no_mask_reads_no_rows(b, rows, group)
         _check_dtensor(b, world)
         start = sum(SHARDS[world][0][:rank])
