@@ -400,6 +400,25 @@ def test_a_temperature_whose_reciprocal_overflows_is_refused_everywhere():
     assert torch.isfinite(x.grad).all()
 
 
+@needs_interpreter
+def test_triton_logits_kernels_give_nan_where_z_over_tau_overflows(monkeypatch):
+    """An accepted temperature (>= TAU_MIN) with |z| / tau beyond fp32: the Triton loss and
+    log-prob kernels multiply z by 1 / tau, so that row's logp, H and the loss are NaN (never
+    a finite wrong number), as SPEC's notation table says for the loss (as for the sampler)."""
+    from pathlib import Path
+
+    monkeypatch.setenv("FASTRL_BACKEND", "triton")
+    z = torch.tensor([[[1.0, 2.0, -3.0]]])
+    y = torch.tensor([[1]])
+    with pytest.warns(RuntimeWarning):  # the interpreter's fp32 overflow
+        lp, ent = fastrl.logprobs(z, y, temperature=3e-39, entropy=True)
+        loss = fastrl.policy_loss(z, y, torch.ones(1), temperature=3e-39).loss
+    assert torch.isnan(lp).all() and torch.isnan(ent).all() and torch.isnan(loss)
+    spec = (Path(__file__).resolve().parents[1] / "docs" / "SPEC.md").read_text()
+    (row,) = [line for line in spec.splitlines() if line.startswith("| `z` |")]
+    assert "Triton loss / log-prob kernels" in row and "`|z| <= 3.4e38 τ`" in row
+
+
 def test_non_float_temperature_tensor_raises():
     logits, tokens, _ = _batch()
     with pytest.raises(ValueError, match="temperature"):
