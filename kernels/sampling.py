@@ -1,21 +1,31 @@
 """One-pass Gumbel-max sampler (SPEC 10): token, its log-prob and the row's entropy.
 
-For a row z (V,) and z' = z / τ, one sweep over the vocabulary in blocks of BLOCK_V carries,
-relative to the running max m (online, rescaled when m grows: softmax._row_block_stats, sums
-kept per column),
-    m = max z',  s = Σ e^(z' - m),  w = Σ e^(z' - m)·(z' - m)
-and a running argmax of z'_j + G_j, with G_j = -log(E_j) Gumbel noise, E_j = -log(1 - U_j)
-~ Exp(1) and U_j uniform from Philox keyed by seed at counter row·ceil(V/4) + j//4, word j % 4:
-counter-based, so the same seed gives the same tokens whatever the launch configuration (one
-program per row or split-V). Each column keeps its own best key across blocks and the last step
-takes the first maximum: no cross-thread step per block but the row max (about 43 SASS
-instructions per logit on sm_90a, 180 when every block was reduced: kernel_report.py).
+For a row z (V,) and z' = z / τ, one sweep over the vocabulary in blocks of BLOCK_V carries the
+statistics of the row (per slot of 8 columns, each slot with its own running max: no step
+between threads in the sweep), relative to a max m,
+    m = max z',  s = Σ e^(z' - m),  w = Σ e^(z' - m)·(z' - m),
+and draws the token in two stages of the Gumbel-max trick (exact for softmax(z')):
+  1. a group of 8 consecutive columns (group g: columns 8g ... 8g + 7): the first argmax of
+     log W_g + G_g, W_g = Σ_{j in g} e^(z'_j) its weight, G_g Gumbel noise from Philox
+     stream 1 (_log2_group_exponential). The max of Gumbels shifted by log-weights falls on g
+     with probability W_g / Σ W;
+  2. a column within the winning group only (read again after the sweep: 8 logits a row): the
+     first argmax of z'_j + G_j, G_j from Philox stream 0 at counter row·ceil(V/4) + j//4, word
+     j % 4 (tl.randint4x's words); independent of stage 1, so P(y = j) = W_g / Σ W · e^(z'_j) / W_g.
+Noise per group, not per logit, is what keeps the sweep cheap: about 17 SASS instructions a
+logit on sm_90a at BLOCK_V 4096 (bf16), where noise for every logit took 43 (a quarter of a
+Philox call and two log2 each) and 3 MUFU operations a logit, over the H200's read floor
+(DESIGN 2b); now 1.5 (kernel_report.py). Every number of a group depends on its own 8 columns
+(reduced inside one thread, or two for fp32, in an order its layout fixes) and on counters
+keyed by its index: the same seed gives the same tokens whatever the launch (one program per
+row or split-V at any slice) and whatever BLOCK_V.
 At the end
     lse = m + log s,   logp_y = (z'_y - m) - log s,   H = lse - Σ p z' = log s - w / s,
 max-shifted, so that H has no cancellation at large logit offsets or low temperature (both of
 its terms are >= 0). Entries equal to -inf (a truncated top-k / top-p support) get probability 0
-and never win. A row holding a NaN logit gives logp = H = NaN (its token is the argmax over the
-other entries: some value in [0, V)). GREEDY skips the noise (argmax of z').
+and never win. A row holding a NaN logit gives logp = H = NaN (its token is some value in
+[0, V): a group holding a NaN never wins). GREEDY skips the noise: the group of the first
+largest max, then its first column equal to it (argmax of z).
 
 Temperature: `inv_temperature` is the fp32 scalar 1 / τ; with the constexpr flag ROW_TEMP each row
 reads its own 1 / τ_r from `inv_temp_ptr` (fp32 (N,)) instead (per-row temperature: the row is
@@ -26,10 +36,11 @@ Two launch shapes (softmax._split_config decides, in `sample_rows_configs`; `spl
 it):
   * `_sample_fwd_kernel`, grid (N,): one program sweeps its whole row;
   * split-V for few rows and a large V (decode): `_sample_split_fwd_kernel`, grid (N, SPLITS),
-    reduces slices of CHUNK columns to partials (m, s, w, best key, its index and z') in fp32 /
-    int64 scratch (N, SPLITS), then `_sample_merge_fwd_kernel`, grid (N,), merges them (log-sum-exp
-    merge; the best key, the earliest slice on ties) and writes the same outputs. The noise of
-    (row, j) does not depend on the split, so both give the same token.
+    reduces slices of CHUNK columns (a multiple of 32: whole groups) to partials (m, s, w, best
+    group key, its token and z') in fp32 / int64 scratch (N, SPLITS), then
+    `_sample_merge_fwd_kernel`, grid (N,), merges them (log-sum-exp merge; the best key, the
+    earliest slice on ties) and writes the same outputs. A group's key and its column do not
+    depend on the split, so both give the same token.
 """
 
 from __future__ import annotations
@@ -46,17 +57,19 @@ from .softmax import (
     _LN2,
     _LOG2E,
     _SPLIT_SM_COUNT,
+    _exp2,
     _log2,
     _lse_finish,
     _lse_init,
+    _lse_merge,
     _lse_merge_partials,
     _lse_store_partials,
     _merge_config,
-    _row_block_stats,
-    _row_stats_finish,
     _sm_count,
     _split_config,
 )
+
+_GROUP = tl.constexpr(8)  # columns a group: the sampler's unit of noise (_sample_slice)
 
 
 @triton.jit
@@ -79,17 +92,18 @@ def _mulhilo(a, B: tl.constexpr):
 
 
 @triton.jit
-def _philox4x32(seed, offset):
+def _philox4x32(seed, offset, STREAM: tl.constexpr = 0):
     # Philox4x32-10 (Salmon et al. 2011) under key `seed` (an int64 scalar: its low and high
-    # words) at the counters `offset` (an int64 block: words 0 and 1; words 2 and 3 are 0): bit
-    # for bit tl.randint4x(seed, offset), with each round's two 32 x 32 -> 64-bit products as
-    # one instruction each (_mulhilo; kernel_report's sampler row counts them).
+    # words) at the counters `offset` (an int64 block: words 0 and 1), word 2 = STREAM, word 3 =
+    # 0: for STREAM 0 bit for bit tl.randint4x(seed, offset), with each round's two
+    # 32 x 32 -> 64-bit products as one instruction each (_mulhilo; kernel_report's sampler row
+    # counts them). Another STREAM is another counter range: independent words.
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = (seed >> 32).to(tl.uint32)
     c0 = offset.to(tl.uint32)
     c1 = (offset >> 32).to(tl.uint32)
-    c2 = c0 * 0
+    c2 = c0 * 0 + STREAM
     c3 = c0 * 0
     for _ in tl.static_range(10):
         hi0, lo0 = _mulhilo(c0, 0xD2511F53)
@@ -98,6 +112,49 @@ def _philox4x32(seed, offset):
         k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)  # the key schedule
         k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _log2_exponential(seed, offset, STREAM: tl.constexpr):
+    # log2(E) of Exp(1) draws E = -log(1 - U), one per word of Philox(seed, offset, STREAM):
+    # offset (B,) int64 -> (4 B,), element 4 i + l from word l of counter offset[i].
+    # U = (bits + 0.5) 2^-32 in (0, 1]: fp32 rounds the top 128 words to 1.0, so 1 - U is floored
+    # at 2^-33, the least it is exactly (E <= 33 ln 2): 1 - U = 0 gave E = inf, a key of -inf, a
+    # token that could not be drawn (alone in its row's support, token 0 came out with
+    # logp = -inf). Small U by a series (1 - U would lose them).
+    r0, r1, r2, r3 = _philox4x32(seed, offset, STREAM)
+    bits = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # 4i + l <- r_l[i]
+    return _log2_exp1(bits)
+
+
+@triton.jit
+def _log2_exp1(bits):
+    # log2(E), E = -log(1 - U) ~ Exp(1), of 32-bit words `bits`: U = (bits + 0.5) 2^-32 ...
+    u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    one_minus_u = tl.maximum(1.0 - u, 1.1641532182693481e-10)
+    return _log2(tl.where(u < 1e-4, u + 0.5 * u * u, -_log2(one_minus_u) * _LN2))
+
+
+@triton.jit
+def _log2_group_exponential(seed, row, V, start, g, SLOTS: tl.constexpr):
+    # log2(E_g) of the groups g (SLOTS,) (absolute indices, from `start`): E_g ~ Exp(1) from
+    # Philox stream 1, in super-blocks of 512 groups (4096 columns) of 128 counters: group
+    # g = 512 b + 128 a + q takes word a of counter row ceil(V / 4096) 128 + 128 b + q.
+    # A whole super-block (SLOTS = 512, start a multiple of 4096): one Philox call per 4 groups,
+    # arranged as a (512, 8) tile's rows lie at 4 warps (row r in thread r % 128), so no data
+    # moves between threads. Otherwise (small blocks) each group runs its counter's Philox.
+    base = row * ((V + 4095) // 4096) * 128
+    if SLOTS == 512:
+        offs = base + start // 4096 * 128 + tl.arange(0, 128)
+        r0, r1, r2, r3 = _philox4x32(seed, offs, 1)
+        words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (128, 2, 2): [q, a % 2, a // 2]
+        bits = tl.reshape(tl.permute(words, (2, 1, 0)), (512,))  # 128 a + q
+    else:
+        r = g % 512
+        r0, r1, r2, r3 = _philox4x32(seed, base + g // 512 * 128 + r % 128, 1)
+        a = r // 128
+        bits = tl.where(a == 0, r0, tl.where(a == 1, r1, tl.where(a == 2, r2, r3)))
+    return _log2_exp1(bits)
 
 
 @triton.jit
@@ -113,58 +170,89 @@ def _sample_slice(
     GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # Columns lo <= j < hi of one row, BLOCK_V at a time -> (m, s, w, n_nan, best_key, best_idx,
-    # best_z): the statistics of z'_j = c z_j (softmax._row_block_stats: per-column sums, a NaN
-    # logit makes s NaN, n_nan = 0), and the first maximum of the key with its z'. Keys are in
-    # log2 units: key_j = z_j c log2(e) - log2(E_j) = log2(e) (z'_j + G_j), G_j = -log E_j
-    # (the raw z_j if GREEDY: the exact argmax of z, hence of z'). Each column keeps its own best
-    # (key, column) over the blocks (strict >: its earliest block wins a tie); the last step
-    # takes the largest key and, among equal ones, the smallest column: the first maximum of the
-    # whole range, with no cross-thread step per block but the row max; its z is then read again
-    # (one load a row, where keeping it per column cost a select a logit). A -inf logit (masked
-    # columns load as -inf) has the key -inf and a NaN one the key NaN: neither is ever > a best.
-    # Noise: E_j = -log(1 - U_j) ~ Exp(1) (a series where 1 - U would lose the small values),
-    # U_j from Philox keyed by seed at counter row * ceil(V / 4) + j // 4, word j % 4 (one
-    # Philox call gives four columns' bits; lo and BLOCK_V are multiples of 4).
+    # Columns lo <= j < hi of one row, BLOCK_V at a time, as BLOCK_V / GROUP groups of GROUP
+    # consecutive columns (group g: columns g GROUP ... g GROUP + GROUP - 1; lo and BLOCK_V are
+    # multiples of 4 GROUP) -> (m, s, w, n_nan, key, token, z'_token): the statistics of
+    # z'_j = c z_j (c = inv_temperature; raw units inside, as softmax._row_block_stats) and the
+    # sampled column. Two stages of the Gumbel-max trick, exact for softmax(z'):
+    #   1. the group: g* = first argmax_g (log2 W_g - log2 E_g), W_g = sum_{j in g} 2^(k z_j)
+    #      (k = c log2 e; log2 W_g = k m_g + log2 s_g with m_g = max_{j in g} z_j and
+    #      s_g = sum 2^(k (z_j - m_g))) and E_g ~ Exp(1) (_log2_group_exponential):
+    #      P(g* = g) = W_g / sum W (the max of Gumbels shifted by log weights);
+    #   2. the column, within g* only, after the sweep: first argmax_{j in g*} (k z_j - log2 E_j),
+    #      E_j from stream 0 at counter row ceil(V / 4) + j // 4, word j % 4 (tl.randint4x's
+    #      words): P(y = j | g*) = 2^(k z_j) / W_g*, independent of stage 1.
+    # Each group's numbers depend on its own columns only (reduced inside the group, in an order
+    # the group's layout fixes), so the token is the same whatever the launch (one program per
+    # row, split-V at any slice) and whatever BLOCK_V. GREEDY: key_g = m_g, the column is the
+    # first with z_j = m_g (the first argmax of z, hence of z').
+    # Per column of a block: a max, a subtract, a clamp, a multiply, an exp2, an add and a
+    # multiply-add (the group sums); per group: its key (a log2, the noise's two log2, a quarter
+    # of a Philox call) and its merge into the slot's statistics (per-slot running max, no
+    # cross-thread step in the sweep). A -inf logit (masked columns load as -inf) adds 0; a
+    # group of -inf has s_g = 0, key -inf, and never wins; a NaN logit makes its group's s_g
+    # NaN (key NaN: never wins) and the row's s NaN.
     NEG_INF: tl.constexpr = float("-inf")
-    cols = tl.arange(0, BLOCK_V)
+    MIN: tl.constexpr = -3.4028234663852886e38
+    GROUP: tl.constexpr = _GROUP
+    SLOTS: tl.constexpr = BLOCK_V // GROUP
+    slots = tl.arange(0, SLOTS)
+    cols = tl.arange(0, GROUP)
     k = inv_temperature * _LOG2E
-    m = tl.full((), NEG_INF, tl.float32)
-    s_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    w_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    best_key = tl.full([BLOCK_V], NEG_INF, tl.float32)
-    best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)  # 0 while every key is -inf
-    counter = row * ((V + 3) // 4)
+    m_acc = tl.full([SLOTS], NEG_INF, tl.float32)  # per slot: raw max so far
+    s_acc = tl.zeros([SLOTS], dtype=tl.float32)  # sum 2^(k (z - m_acc))
+    w_acc = tl.zeros([SLOTS], dtype=tl.float32)  # sum 2^(k (z - m_acc)) (z - m_acc)
+    best_key = tl.full([SLOTS], NEG_INF, tl.float32)
+    best_g = (tl.zeros([SLOTS], dtype=tl.int32) + lo // GROUP).to(tl.int32)
     for start in range(lo, hi, BLOCK_V):
-        j = start + cols
-        inside = j < hi
-        z = tl.load(row_ptr + j.to(tl.int64) * stride_lv, mask=inside, other=NEG_INF)
+        g = start // GROUP + slots  # absolute group index (SLOTS,)
+        j = g[:, None] * GROUP + cols[None, :]  # (SLOTS, GROUP)
+        z = tl.load(row_ptr + j.to(tl.int64) * stride_lv, mask=j < hi, other=NEG_INF)
         z = z.to(tl.float32)
-        m, s_acc, w_acc = _row_block_stats(z, m, s_acc, w_acc, k)
+        m_g = tl.max(z, axis=1)
+        m_g_safe = tl.where(m_g == NEG_INF, 0.0, m_g)
+        d = tl.maximum(z - m_g_safe[:, None], MIN, propagate_nan=tl.PropagateNan.ALL)
+        e = _exp2(d * k)
+        s_g = tl.sum(e, axis=1)
+        w_g = tl.sum(e * d, axis=1)
         if GREEDY:
-            key = z
+            key = m_g
         else:
-            r0, r1, r2, r3 = _philox4x32(seed, counter + start // 4 + tl.arange(0, BLOCK_V // 4))
-            bits = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # 4i + l <- r_l[i]
-            # U = (bits + 0.5) 2^-32 in (0, 1]: fp32 rounds the top 128 words to 1.0, so 1 - U is
-            # floored at 2^-33, the least it is exactly (E <= 33 ln 2): 1 - U = 0 gave E = inf,
-            # a key of -inf, a token that could not be drawn (alone in its row's support, token
-            # 0 came out with logp = -inf).
-            u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-            one_minus_u = tl.maximum(1.0 - u, 1.1641532182693481e-10)
-            expo = tl.where(u < 1e-4, u + 0.5 * u * u, -_log2(one_minus_u) * _LN2)  # E
-            key = z * k - _log2(expo)
-        better = key > best_key
+            noise = _log2_group_exponential(seed, row, V, start, g, SLOTS)
+            key = m_g * k + _log2(s_g) - noise
+        better = key > best_key  # strict: a slot's earliest group wins a tie
         best_key = tl.where(better, key, best_key)
-        best_idx = tl.where(better, j.to(tl.int32), best_idx)  # j < V < 2^31
+        best_g = tl.where(better, g.to(tl.int32), best_g)
+        # merge the group (m_g, s_g, w_g) into its slot: the one with the smaller max is scaled
+        # by a = 2^(k (m_lo - m_hi)) (0 when m_lo = -inf; NaN sums stay NaN)
+        grew = m_g > m_acc
+        m_hi = tl.maximum(m_acc, m_g)
+        m_hi_safe = tl.where(m_hi == NEG_INF, 0.0, m_hi)
+        d_lo = tl.maximum(tl.minimum(m_acc, m_g) - m_hi_safe, MIN)
+        a = _exp2(d_lo * k)
+        s_lo = tl.where(grew, s_acc, s_g)
+        w_lo = tl.where(grew, w_acc, w_g)
+        s_acc = tl.where(grew, s_g, s_acc) + a * s_lo
+        w_acc = tl.where(grew, w_g, w_acc) + a * (w_lo + s_lo * d_lo)
+        m_acc = m_hi
+    # the slots' statistics merged (softmax._lse_merge, in z' units), the first best group
+    m, s, w, n_nan = _lse_init()
+    m, s, w = _lse_merge(m, s, w, m_acc * inv_temperature, s_acc, w_acc * inv_temperature)
     key = tl.max(best_key, axis=0)
-    first = tl.min(tl.where(best_key == key, best_idx, 2147483647), axis=0)
-    if GREEDY:  # the key is the raw logit
-        z_y = key
+    g_star = tl.min(tl.where(best_key == key, best_g, 2147483647), axis=0)
+    # stage 2: the column within group g_star (read again: one group a row)
+    j = g_star.to(tl.int64) * GROUP + cols
+    z = tl.load(row_ptr + j * stride_lv, mask=j < hi, other=NEG_INF).to(tl.float32)
+    if GREEDY:
+        col_key = z
     else:
-        z_y = tl.load(row_ptr + first.to(tl.int64) * stride_lv).to(tl.float32)  # first < V
-    m, s, w, n_nan = _row_stats_finish(m, s_acc, w_acc, inv_temperature)
-    return m, s, w, n_nan, key, first.to(tl.int64), z_y * inv_temperature
+        offs = row * ((V + 3) // 4) + g_star.to(tl.int64) * (GROUP // 4) + tl.arange(0, GROUP // 4)
+        col_key = z * k - _log2_exponential(seed, offs, 0)
+    best = tl.max(col_key, axis=0)
+    first = tl.min(tl.where((col_key == best) & (j < hi), j, 2**62), axis=0)
+    first = tl.where(first == 2**62, g_star.to(tl.int64) * GROUP, first)  # every key NaN
+    z_y = tl.sum(tl.where(j == first, z, 0.0), axis=0)
+    return m, s, w, n_nan, key, first, z_y * inv_temperature
 
 
 @triton.jit
@@ -295,13 +383,17 @@ def _sample_merge_fwd_kernel(
 _F32 = torch.float32
 
 
-def _sample_warps(block_v: int, dtype: torch.dtype) -> int:
-    """num_warps of the sampling sweep: 16 for 2-byte logits at BLOCK_V 4096 (8 logits a thread:
-    each column keeps five fp32 / int32 values across blocks, and at 8 warps the sweep holds
-    168-209 registers: compile_check), 8 from BLOCK_V 2048, else 4."""
-    if block_v >= 4096 and dtype.itemsize <= 2:
-        return 16
-    return 8 if block_v >= 2048 else 4
+def _sample_block(V: int) -> int:
+    """BLOCK_V of the one-program sweep: 4096 (a whole super-block of the group noise, see
+    _log2_group_exponential), or V rounded up to a power of 2 (at least 32: 4 groups a thread)."""
+    return min(4096, max(32, next_power_of_2(V)))
+
+
+def _sample_warps(block_v: int) -> int:
+    """num_warps of a sampling sweep: at BLOCK_V 4096, 4 (32 logits a thread: 4 groups, one
+    Philox call, laid out so that the group noise moves no data between threads); below, where
+    each group runs its own Philox call, 8 logits a thread (more spill: compile_check)."""
+    return 4 if block_v >= 4096 else max(1, block_v // 256)
 
 
 def sample_rows_configs(
@@ -318,9 +410,9 @@ def sample_rows_configs(
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (softmax._split_config;
     `split_chunk` forces it as in sample_rows); `row_temp`: a temperature per row (ROW_TEMP; never
     with `greedy`, which ignores the temperature). Example arguments: logits (N, V) contiguous."""
-    block_v = min(4096, max(4, next_power_of_2(V)))  # >= 4: one Philox call serves 4 columns
-    if split_chunk:  # slices start at multiples of 4 (the Philox word of column j is j % 4)
-        split_chunk = -(-split_chunk // 4) * 4
+    block_v = _sample_block(V)
+    if split_chunk:  # slices start at multiples of 32: whole groups, 4 to a Philox counter
+        split_chunk = -(-split_chunk // 32) * 32
     splits, chunk = _split_config(N, V, block_v, device_sms, split_chunk)  # not cached: tests spy
     row_temp = bool(row_temp) and not greedy
     return _sample_rows_configs(N, V, dtype, bool(greedy), splits, chunk, row_temp)
@@ -328,14 +420,14 @@ def sample_rows_configs(
 
 @functools.lru_cache(maxsize=256)
 def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[LaunchConfig, ...]:
-    block_v = min(4096, max(4, next_power_of_2(V)))
+    block_v = _sample_block(V)
     logits = {"logits_ptr": Ptr(dtype), "seed_ptr": Ptr(torch.int64)}
     outs = {"tokens_ptr": Ptr(torch.int64), "logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32)}
     strides = {"stride_ln": V, "stride_lv": 1, "inv_temperature": 1.0, "inv_temp_ptr": Ptr(_F32)}
     flags = {"ROW_TEMP": row_temp, "GREEDY": greedy}
     if splits == 1:
         args = {**logits, **outs, "V": V, **strides}
-        warps = _sample_warps(block_v, dtype)
+        warps = _sample_warps(block_v)
         return (
             config(
                 _sample_fwd_kernel,
@@ -347,7 +439,7 @@ def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[
                 options=EXACT_PRODUCTS,
             ),
         )
-    block_v = min(block_v, max(16, next_power_of_2(chunk)))
+    block_v = min(block_v, chunk & -chunk)  # slices start at multiples of BLOCK_V (>= 32)
     # scratch: fp32 (5, N, splits) for m, s, w, key, z' and int64 (N, splits) for the index
     aligned = (N * splits * 4) % 16 == 0
     parts = {f"part_{k}_ptr": Ptr(_F32, aligned or k == "m") for k in ("m", "s", "w", "key")}
@@ -356,7 +448,7 @@ def _sample_rows_configs(N, V, dtype, greedy, splits, chunk, row_temp) -> tuple[
     block_s, warps_s = _merge_config(splits)
     return (
         config(
-            _sample_split_fwd_kernel, (N, splits), _sample_warps(block_v, dtype), split_args,
+            _sample_split_fwd_kernel, (N, splits), _sample_warps(block_v), split_args,
             **flags, BLOCK_V=block_v, options=EXACT_PRODUCTS,
         ),
         config(

@@ -13,7 +13,8 @@ semantics of max on the hardware (the row sweep lets it into s).
 `@triton.jit` helpers (inlined into the kernels that call them), then host helpers:
   * `_row_stats_sweep` (with `_row_block_stats`, `_row_stats_finish`, `_exp2`, `_log2`: _ftz): a row's
     (m, s, w), BLOCK_V logits at a time into per-column accumulators, one cross-thread max per
-    block (the policy-loss kernels; the sampler's sweep is built from its parts);
+    block (the policy-loss kernels; the sampler keeps its statistics per group of 8 columns
+    instead, with _exp2 / _log2, and merges them with _lse_merge);
   * `_lse_merge`: log-sum-exp merge of a block of partial (m, s, w) into running scalars;
   * `_lse_init`: the statistics of no terms (the split-V merge kernels start from it);
   * `_lse_store_partials`, `_lse_merge_partials`: split-V stage 1 writes a slice's partials,

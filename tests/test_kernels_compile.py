@@ -270,18 +270,22 @@ def test_row_sweeps_issue_few_instructions_per_logit(report):
     V = 151936), stay within a per-logit instruction budget and take at most two barriers a
     block (the row max). Reducing each block to scalars, as the sweeps did before 2026-11-27,
     cost about 30 instructions a logit in the statistics sweep, 18 in the gradient sweep and
-    180 in the sampler, with 12-15 barriers a block: such a loop fails here. The sampler's 48
-    (Philox's products as two multiplies each, a select of z and a -inf mask a logit) is over
-    its budget too."""
+    180 in the sampler, with 12-15 barriers a block: such a loop fails here. So do the sampler's
+    48 (Philox's products as two multiplies each, a select of z and a -inf mask a logit) and 43
+    (Gumbel noise for every logit: a quarter of a Philox call and two log2 each); drawing a group
+    of 8 columns first, then a column inside the one group that wins, it takes about 17, with
+    no barrier (its group noise is laid out per thread)."""
     rows = _kernel_report().sweep_costs(report)
     launches = {r["launch"] for r in rows}
     assert len(launches) == len(_kernel_report().SWEEP_LAUNCHES), launches
     for r in rows:
-        budget = 45 if r["kernel"].startswith("_sample") else 16
-        if r["sweep"] == "statistics" and not r["kernel"].startswith("_sample"):
+        sampler = r["kernel"].startswith("_sample")
+        budget = 20 if sampler else 16
+        if r["sweep"] == "statistics" and not sampler:
             budget = 14
         assert r["hot_per_logit"] <= budget, r
-        assert r["barriers_per_block"] <= 2, r
-        # one exp2 a logit (and the rare rescale); the sampler adds two log2 for its noise
-        mufu = 3.25 if r["kernel"].startswith("_sample") else 1.25
+        assert r["barriers_per_block"] <= (0 if sampler else 2), r
+        # one exp2 a logit (and the rare rescale); the sampler adds, per group of 8 columns, a
+        # log2 of its sum, two log2 for its noise and an exp2 to merge it: 1.5
+        mufu = 1.6 if sampler else 1.25
         assert r["mufu_per_logit"] <= mufu, r

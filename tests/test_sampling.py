@@ -353,8 +353,8 @@ def test_the_default_dtype_does_not_change_the_draws(default):
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("V", [1, 2, 3])
 def test_kernel_samples_a_tiny_vocabulary(triton_backend, V):
-    """V < 4: the sweep's block still holds the four columns one Philox call serves (a block of
-    1 or 2 would ask for an empty arange)."""
+    """V < 4: the sweep's block still holds 32 columns, four groups of 8 (one Philox call serves
+    four groups; a smaller block would ask for an empty arange)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     logits = torch.randn(6, V, device=dev)
     for greedy in (False, True):
@@ -368,9 +368,9 @@ def test_kernel_samples_a_tiny_vocabulary(triton_backend, V):
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("chunk", [30, 33, 64])
 def test_kernel_split_at_any_chunk_samples_the_same_tokens(chunk):
-    """A forced split_chunk that is not a multiple of 4 is rounded up to one: each column keeps
-    its own Philox word (j % 4 of counter j // 4), so split-V and one program per row draw the
-    same tokens."""
+    """A forced split_chunk that is not a multiple of 32 is rounded up to one (whole groups of 8
+    columns, four to a Philox counter): each group and each column keeps its own Philox word,
+    so split-V and one program per row draw the same tokens."""
     from fastrl.kernels import sampling as S
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -379,6 +379,56 @@ def test_kernel_split_at_any_chunk_samples_the_same_tokens(chunk):
     one = S.sample_rows(logits, seed, 1.0, False, split_chunk=0)
     split = S.sample_rows(logits, seed, 1.0, False, split_chunk=chunk)
     assert torch.equal(one[0], split[0])
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+def test_kernel_draws_across_groups_and_super_blocks():
+    """The kernel draws a group of 8 columns by its weight, then a column inside it: a support
+    spread over several groups, two in one group (and on CUDA both sides of the 4096-column
+    super-block boundary of the group noise, where its Philox words are laid out per thread; the
+    interpreter checks that layout against the small blocks' token for token, below) is sampled
+    as softmax says (chi-square), with the logp of that distribution."""
+    from fastrl.kernels import sampling as S
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":
+        n, V, cols = 20000, 4200, [0, 5, 9, 100, 2049, 4095, 4096, 4199]
+    else:  # groups 0, 0, 1, 2, 3, 3, 4, 4 of a V = 40 row
+        n, V, cols = 480, 40, [0, 5, 9, 17, 26, 31, 32, 39]
+    row = torch.full((V,), float("-inf"))
+    row[cols] = LOGITS[:8]
+    tokens, logp, _ = S.sample_rows(
+        row.to(dev).expand(n, -1), torch.tensor([11], device=dev), 0.8, False
+    )
+    tokens, logp = tokens.cpu(), logp.cpu()
+    probs = truncated_probs(LOGITS[:8], 0.8)
+    assert set(tokens.tolist()) <= set(cols)
+    index = torch.tensor([cols.index(t) for t in tokens.tolist()])
+    assert_chi_square(index, probs)
+    torch.testing.assert_close(logp, probs.log()[index].float())
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+@pytest.mark.parametrize("greedy", [False, True])
+def test_kernel_whole_super_blocks_draw_as_small_blocks(greedy):
+    """One program per row sweeps V = 9000 in blocks of 4096 (whole super-blocks: one Philox call
+    per 4 groups, laid out per thread); a split into slices of 1024 runs the per-group Philox of
+    small blocks, one of 4096 the whole-super-block path in split-V: the same tokens."""
+    from fastrl.kernels import sampling as S
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = (torch.randn(3, 9000, generator=torch.Generator().manual_seed(1)) * 3).to(dev)
+    logits[2, :4000] = float("-inf")
+    seed = torch.tensor([2**33 + 5], device=dev)
+    one = S.sample_rows(logits, seed, 0.9, greedy, split_chunk=0)
+    assert [
+        c.constexpr("BLOCK_V") for c in S.sample_rows_configs(3, 9000, logits.dtype, greedy)
+    ] == [4096]
+    for chunk in (1024, 4096):
+        split = S.sample_rows(logits, seed, 0.9, greedy, split_chunk=chunk)
+        assert torch.equal(one[0], split[0]), chunk
+        torch.testing.assert_close(split[1], one[1], rtol=1e-6, atol=1e-6)
+    assert one[0][2] >= 4000
 
 
 # --------------------------------------------------------------------------- extreme noise draws
