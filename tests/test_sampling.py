@@ -281,14 +281,14 @@ def test_nan_row_gives_nan_on_both_backends(monkeypatch, backend, temperature, t
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FASTRL_BACKEND", backend)
-    logits = torch.randn(4, 40)
+    logits = torch.randn(4, 43)  # a last group of 3 columns: the 5 past V load as -inf
     logits[0, 17] = float("nan")
     logits[1, :] = float("nan")
     logits[2, 3] = float("-inf")
     g = torch.Generator().manual_seed(0)
     tokens, logp, entropy = fastrl.sample(logits, temperature, top_k, top_p, generator=g)
     assert torch.isnan(logp[:2]).all() and torch.isnan(entropy[:2]).all()
-    assert ((tokens >= 0) & (tokens < 40)).all()
+    assert ((tokens >= 0) & (tokens < 43)).all()
     assert torch.isfinite(logp[2:]).all() and torch.isfinite(entropy[2:]).all()
     z = logits[2:] / (temperature or 1.0)  # temperature 0: greedy, logp under tau = 1
     if top_k is not None:
@@ -406,6 +406,21 @@ def test_kernel_draws_across_groups_and_super_blocks():
     index = torch.tensor([cols.index(t) for t in tokens.tolist()])
     assert_chi_square(index, probs)
     torch.testing.assert_close(logp, probs.log()[index].float())
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+@pytest.mark.parametrize("V", [3, 13])
+def test_kernel_an_all_nan_row_gives_a_token_inside_the_vocabulary(V):
+    """No group wins in an all-NaN row, and its column keys are NaN; the compiled max ignores
+    NaN, so the columns past V (loaded as -inf) used to equal the 'max': token V or above."""
+    from fastrl.kernels import sampling as S
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.full((2, V), float("nan"), device=dev)
+    for greedy in (False, True):
+        tokens, logp, entropy = S.sample_rows(logits, torch.tensor([1], device=dev), 1.0, greedy)
+        assert ((tokens >= 0) & (tokens < V)).all(), tokens
+        assert torch.isnan(logp).all() and torch.isnan(entropy).all()
 
 
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
