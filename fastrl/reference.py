@@ -124,7 +124,7 @@ def value_loss(
     if clip is None:
         values_clipped = values_2d
     else:
-        values_clipped = old_values + torch.clamp(values_2d - old_values, -clip, clip)
+        values_clipped = torch.clamp(values_2d, old_values - clip, old_values + clip)
     vf_loss1 = (values_2d - returns) ** 2
     vf_loss2 = (values_clipped - returns) ** 2
     vf_loss = 0.5 * aggregate(torch.maximum(vf_loss1, vf_loss2), mask, agg)

@@ -1,6 +1,7 @@
 """PPO's clipped value (critic) loss, SPEC 8. Re-exported by `fastrl.losses` as `value_loss`.
 
-    v_clip = v_old + clamp(v - v_old, -ε_v, ε_v)
+    v_clip = clamp(v, v_old - ε_v, v_old + ε_v)   (= v_old + clamp(v - v_old, ±ε_v), but exactly v
+                                                   where it is not clipped, as verl and TRL form it)
     L_V = ½ · agg(max((v - G)², (v_clip - G)²)),  vf_clipfrac = share of counted tokens where
     the clipped term is the larger one.
 
@@ -104,7 +105,7 @@ def value_loss(
     if clip is None:
         v_clip = v
     else:
-        v_clip = v_old + torch.clamp(v - v_old, -clip, clip)
+        v_clip = torch.clamp(v, v_old - clip, v_old + clip)  # exactly v where not clipped
     loss1 = (v - ret).square()
     loss2 = (v_clip - ret).square()
     loss = 0.5 * aggregate(torch.maximum(loss1, loss2), m, agg, num_tokens, num_seqs, max_len)

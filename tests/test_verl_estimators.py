@@ -18,6 +18,7 @@ pytest.importorskip("verl.trainer.ppo.core_algos", exc_type=ImportError)
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 import fastrl  # noqa: E402
+from fastrl import reference  # noqa: E402
 
 # fastrl computes group statistics in fp64 and returns fp32; verl's are fp32 throughout
 ATOL = RTOL = 2e-5
@@ -166,6 +167,23 @@ def test_value_loss_equals_verl(agg, clip):
     torch.testing.assert_close(grad, want_grad, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(clipfrac, torch.as_tensor(want_clipfrac).float())
     assert 0 < clipfrac < 1  # both sides of the clip are exercised
+
+
+@pytest.mark.parametrize("clip", [10.0, 0.2])
+def test_vf_clipfrac_counts_only_clipped_tokens(clip):
+    """v_old + (v - v_old) is often not exactly v in fp32: forming v_clip that way made the
+    'clipped' loss larger at about 10 % of tokens that were never clipped (vf_clipfrac 0.10
+    where verl's is 0). Both fastrl and the oracle clamp v into [v_old - ε, v_old + ε] now, as
+    verl and TRL do."""
+    g = torch.Generator().manual_seed(0)
+    v, old, returns = (torch.randn(1, 1000, generator=g) for _ in range(3))
+    mask = torch.ones(1, 1000)
+    _, want = core_algos.compute_value_loss(v, returns, old, mask, clip, loss_agg_mode="token-mean")
+    _, got = fastrl.value_loss(v, old, returns, mask, clip=clip)
+    _, oracle = reference.value_loss(v, old, returns, mask, clip=clip)
+    assert got == oracle == float(want)
+    if clip == 10.0:  # |v - v_old| < 10 everywhere: nothing is clipped
+        assert (v - old).abs().max() < clip and got == 0
 
 
 # --------------------------------------------------------------------------- KL penalties
