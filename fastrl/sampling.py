@@ -130,7 +130,9 @@ def _keep_sorted(sorted_z: Tensor, top_k, top_p, lse: Tensor | None = None) -> T
     log-normaliser `lse` (N,) is given (the candidates are then a prefix of the whole row)."""
     keep = torch.ones_like(sorted_z, dtype=torch.bool)
     if top_k is not None and top_k < sorted_z.shape[1]:
-        keep[:, top_k:] = False
+        # the first k, and every later one equal to the k-th (ties stay, as in HF and vLLM: which
+        # of two equal logits survived depended on the sort); NaN sorts first and stays
+        keep[:, top_k:] = sorted_z[:, top_k:] >= sorted_z[:, top_k - 1 : top_k]
     if top_p is not None and top_p < 1:
         if lse is None:
             probs = torch.softmax(sorted_z.masked_fill(~keep, float("-inf")), dim=-1)
@@ -147,7 +149,9 @@ def truncate_logits(
 ) -> Tensor:
     """z (N, V) fp32 scaled logits -> a copy with -inf outside the top-k / top-p support.
 
-    top-k keeps the k largest; top-p then keeps the smallest prefix of the (top-k renormalised)
+    top-k keeps the k largest and every entry equal to the k-th largest (ties at the k-th value
+    all stay, as in HF's TopKLogitsWarper and vLLM); top-p then keeps the smallest prefix of the
+    (top-k renormalised)
     distribution, sorted by decreasing probability, whose mass reaches top_p (the token that
     crosses top_p is kept; the most likely token always is).
 
@@ -163,8 +167,11 @@ def truncate_logits(
     if partial and V > K0:
         if top_k is not None and top_k <= K0:
             vals, idx = torch.topk(z, top_k, dim=-1)  # (N, k) descending
-            keep = _keep_sorted(vals, None, top_p)
-            return torch.full_like(z, neg_inf).scatter_(1, idx, vals.masked_fill(~keep, neg_inf))
+            # exact unless an entry outside the k equals the k-th (a tie that stays: full sort)
+            if bool(((z >= vals[:, -1:]).sum(-1) <= top_k).all()):
+                keep = _keep_sorted(vals, None, top_p)
+                out = torch.full_like(z, neg_inf)
+                return out.scatter_(1, idx, vals.masked_fill(~keep, neg_inf))
         if top_k is None and top_p is not None and top_p < 1:
             vals, idx = torch.topk(z, K0, dim=-1)
             lse = torch.logsumexp(z, dim=-1)
@@ -260,6 +267,7 @@ def sample(
     distribution sampled) and entropy (N,) fp32 (of that distribution). See the module
     docstring."""
     top_k, top_p = _validate(logits, temperature, top_k, top_p, generator)
+    logits = logits.detach()  # a draw is a constant (and holds no graph), on every backend
     if isinstance(temperature, Tensor):
         greedy = False
         temperature = _row_tau(temperature, logits.shape[0], logits.device)

@@ -227,6 +227,48 @@ def test_numpy_scalars_for_top_k_and_top_p():
         fastrl.sample(logits, top_k=np.float64(5))
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_top_k_keeps_every_tie_at_the_kth_value(partial):
+    """HF's TopKLogitsWarper and vLLM keep every entry equal to the k-th largest; exactly k
+    were kept, so of two equal logits one was dropped, which one by the sort's order."""
+    from transformers import TopKLogitsWarper
+
+    z = torch.tensor([[2.0, 0.0, 2.0, -1.0], [3.0, 1.0, 1.0, 1.0]])
+    z = torch.cat([z, torch.full((2, 1500), -5.0)], 1)  # V > the partial sort's 1024 candidates
+    for k in (1, 2, 3):
+        got = truncate_logits(z, k, None, partial=partial)
+        want = TopKLogitsWarper(k)(None, z.clone())
+        assert torch.equal(got, want), k
+    assert torch.isfinite(truncate_logits(z, 1, None, partial=partial)[0]).sum() == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_top_k_draws_tied_tokens_alike(monkeypatch, backend):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    n = 400 if backend == "triton" else 4000
+    logits = torch.tensor([2.0, 0.0, 2.0, -1.0]).expand(n, -1)
+    g = torch.Generator().manual_seed(5)
+    tokens, logp, _ = fastrl.sample(logits, 1.0, top_k=1, generator=g)
+    assert_chi_square(tokens, torch.tensor([0.5, 0.0, 0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(logp, torch.full((n,), math.log(0.5)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sample_outputs_are_constants(monkeypatch, backend):
+    """Logits that require grad (a rollout outside no_grad): the draws hold no graph. On the
+    PyTorch path logp used to carry one, whose backward failed (an in-place clamp after
+    logsumexp), and which kept the model's graph alive."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("FASTRL_BACKEND", backend)
+    logits = torch.randn(3, 10, requires_grad=True)
+    for kwargs in ({}, {"temperature": 0.7, "top_k": 4}, {"temperature": 0.0}):
+        tokens, logp, entropy = fastrl.sample(logits * 1, **kwargs)
+        assert not logp.requires_grad and not entropy.requires_grad, kwargs
+
+
 # --------------------------------------------------------------------------- Triton (interpreter)
 @pytest.fixture
 def triton_backend(monkeypatch):
