@@ -5,9 +5,9 @@
   group ids, via scatter-adds (no Python loop over groups).
 - `whiten`, `overlong_penalty`, `dynamic_sampling_filter`.
 
-Everything equals `fastrl.reference` up to floating-point rounding. The NaN checks on rewards and
-values read the data: on CUDA tensors that is a device sync (these are host-level helpers run
-once per batch); pass `check=False` to skip them.
+Everything equals `fastrl.reference` up to floating-point rounding. The NaN / inf checks on
+rewards and values read the data: on CUDA tensors that is a device sync (these are host-level
+helpers run once per batch); pass `check=False` to skip them.
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ def group_advantages(
             f"estimator={estimator!r} gives one advantage per response (B,) from the rewards "
             "alone: leave mask=None"
         )
-    if check:
-        _check_finite("rewards", rewards)
+    if check:  # an inf reward makes its group's mean and σ NaN: refused as a NaN is
+        _check_finite("rewards", rewards, inf=False)
     idx, G = _group_index(rewards, group_size, group_ids)
     r = rewards.double()
     B = r.shape[0]
@@ -281,7 +281,7 @@ def dynamic_sampling_filter(rewards: Tensor, group_size: int) -> Tensor:
     check_float("rewards", rewards, "shape (B,)")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")
-    _check_finite("rewards", rewards)
+    _check_finite("rewards", rewards, inf=False)
     _group_index(rewards, group_size, None)  # validates group_size
     r = rewards.view(-1, group_size)
     return torch.nonzero((r != r[:, :1]).any(1)).flatten()

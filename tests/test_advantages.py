@@ -282,6 +282,17 @@ def test_group_advantages_unchecked_nan_rewards_stay_nan(scale):
             torch.testing.assert_close(out[2:], want[2:])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_checked_rewards_refuse_nan_and_inf(bad):
+    """check=True (the default) refused a NaN reward but let an inf one through, and its group
+    came out NaN (SPEC 7: never NaN)."""
+    r = torch.tensor([1.0, bad, 0.0, 2.0])
+    with pytest.raises(ValueError, match="rewards \\(shape \\(4,\\)\\) contains NaN or inf"):
+        fastrl.group_advantages(r, 2)
+    with pytest.raises(ValueError, match="rewards \\(shape \\(4,\\)\\) contains NaN or inf"):
+        fastrl.dynamic_sampling_filter(r, 2)
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_group_advantages_hand_computed(estimator):
     r = torch.tensor([0.0, 1.0, 2.0, 5.0, 7.0, 9.0])  # means 1 and 7, unbiased stds 1 and 2
