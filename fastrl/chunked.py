@@ -16,7 +16,8 @@ The backend interface (the same names as the Triton launchers in fastrl/kernels/
                                               statistics, then (g, h), then dL/dz into `out`: here
                                               with one exp per logit, in ONE pass for a
                                               token-separable loss (`one_pass_`, g and h per
-                                              chunk), else two (`stats_e`, then `finish_`)
+                                              chunk), else two (`stats_e`, then `finish_`;
+                                              bf16 / fp16: e formed again in the second)
 
 Gradient in the forward, with ONE exp per logit: pass 1 writes e = exp(z' - m) (z' = z / tau,
 m = max z') while it reduces the row (s = sum e, sum e (z' - m), z'_y); pass 2 turns e into dL/dz
@@ -27,7 +28,10 @@ in place, reading only that buffer:
 overwritten by its exact fp32 value (tau^-1 [g (1 - p_y) - h p_y (logp_y + H)]), so a buffer in
 bf16 / fp16 never loses g (1 - p_y) to cancellation. For a token-separable loss the two passes
 run back to back on each chunk while it is hot (`one_pass_`); sequence-level options need every
-row's statistics first, so e goes to the gradient buffer and `finish_` is a second pass.
+row's statistics first, so e goes to the gradient buffer and `finish_` is a second pass. Only
+an fp32 buffer holds e exactly (`keeps_e`): with bf16 / fp16 logits pass 1 writes nothing and
+pass 2 forms e again from the logits (a second exp per logit, into the chunk's fp32 work
+buffer), so that the gradient is rounded once to the logits' dtype, as the one-pass path's.
 
 Temperature (`tau` above): a Python float, or a tensor of per-row temperatures tau_t with one
 value per row ((B, T), or anything with B * T elements), the per-token temperature of fastrl.ops:
@@ -472,7 +476,8 @@ def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None):
     """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
     time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`); temperature a float or a
     (B, T) tensor of per-row temperatures. With `out` (B, T, V), e is also written there (`out`
-    may be the logits' own storage: each chunk is read first)."""
+    may be the logits' own storage: each chunk is read first). Only an fp32 `out` keeps e
+    exactly: `keeps_e(out)`; the caller passes no other."""
     B, T, V = logits.shape
     N = B * T
     stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)]
@@ -493,9 +498,37 @@ def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None):
     return tuple(s.view(B, T) for s in stats)
 
 
-def finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
-    """Pass 2 of the two-pass path: `out` (B, T, V) holds e = exp(z' - m); overwrite it with
-    dL/dz chunk by chunk in fp32 (`_chunk_finish_`)."""
+def keeps_e(out: Tensor) -> bool:
+    """Whether pass 1 of the two-pass path parks e = exp(z' - m) in `out` between the passes:
+    only an fp32 one holds it exactly. In bf16 / fp16 the small probabilities would lose their
+    precision (fp16: flushed to subnormals or 0) before pass 2 multiplies them by g / (tau s),
+    so there pass 2 forms e again from the logits instead (as the Triton gradient kernel does)."""
+    return out.dtype == torch.float32
+
+
+def _recompute_e_(e: Tensor, rows: Tensor, temperature, work: _Work) -> Tensor:
+    """e (R, V) fp32 = exp(z' - m) of the logits `rows` (R, V), formed as `_chunk_stats` forms
+    it (the same ops on the same values: the same e), `work.S` rows at a time; temperature a
+    float or the rows' (R, 1) fp32 column."""
+    for a in range(0, rows.shape[0], work.S):
+        b = min(rows.shape[0], a + work.S)
+        x, u = rows[a:b], e[a:b]
+        m = x.amax(-1, keepdim=True).float()
+        if x.dtype == torch.float32:
+            torch.sub(x, m, out=u)
+        else:
+            u.copy_(x).sub_(m)
+        if not _is_one(temperature):
+            u.mul_(inv_tau(_sub_tau(temperature, a, b)))
+        u.exp_()
+    return e
+
+
+def finish_(out, tokens, logp, entropy, log_s, g, h, temperature, logits=None):
+    """Pass 2 of the two-pass path: overwrite `out` (B, T, V) with dL/dz chunk by chunk in fp32
+    (`_chunk_finish_`), from e = exp(z' - m) that `out` holds (`keeps_e(out)`), or, given
+    `logits` (B, T, V) (which may be `out` itself: each chunk is read before it is written),
+    from e formed again from them into the chunk's fp32 work buffer (a bf16 / fp16 `out`)."""
     B, T, V = out.shape
     N = B * T
     flat = lambda t: None if t is None else t.reshape(N)  # noqa: E731
@@ -504,7 +537,11 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature):
 
     def body(r0, r1, work):
         view, e = work.target(out, r0, r1)
-        if e is not view:
+        if logits is not None:
+            if e is view:  # (an fp32 `out`: e is built in its rows, each read first)
+                e = work.e(r1 - r0)
+            _recompute_e_(e, _rows(logits, r0, r1), _chunk_tau(tau_all, r0, r1), work)
+        elif e is not view:
             e.copy_(_rows(out, r0, r1))
         part = [None if t is None else t[r0:r1] for t in (y_all, logp, entropy, log_s, g, h)]
         _chunk_finish_(e, *part, _chunk_tau(tau_all, r0, r1), work, view)
@@ -524,9 +561,11 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     one-pass kernel's loss description) is not used here: the interface is the kernels'."""
     if rows_grads is not None:
         return one_pass_(logits, tokens, temperature, rows_grads(), out)
-    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out)
+    park = keeps_e(out)  # else pass 2 forms e again from the logits (bf16 / fp16: exact then)
+    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None)
     g, h = grad_fn(logp, entropy)
-    finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature)
+    finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature,
+            None if park else logits)  # fmt: skip
     return logp, entropy
 
 

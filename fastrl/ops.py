@@ -18,7 +18,8 @@ Two ways through the (B, T, V) logits, both reading them once per use:
   one exp per logit gives the statistics and e = exp(z' - m), then g and h of those rows, then
   dL/dz = e * (...) written once in the logits' dtype; the element-wise work runs in
   cache-sized blocks of `sub_rows(V)` rows. Sequence-level options (GSPO, sequence IS weights)
-  need every row's statistics first: e goes to the gradient buffer, a second pass finishes it.
+  need every row's statistics first: e goes to the gradient buffer (fp32; in bf16 / fp16 the
+  second pass forms e again from the logits), a second pass finishes it.
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
   fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None)
