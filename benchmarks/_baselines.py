@@ -7,12 +7,19 @@ the same loss as `fastrl.LossConfig.grpo()`.
     trl_grpo_math(logp, ...)        TRL 1.16 GRPOTrainer._compute_loss, per-token math, verbatim
                                     (ratio, two-sided clip, k3 KL, beta, loss_type="grpo")
     trl_eager_loss(logits, ...)     trl.trainer.utils.selective_log_softmax on the logits, the
-                                    entropy metric under no_grad (TRL's compute_entropy=True path
-                                    for logits: `entropy_from_logits`), then trl_grpo_math
+                                    entropy metric under no_grad (`entropy_from_logits`), then
+                                    trl_grpo_math. On the CPU both helpers run eager torch loops;
+                                    on CUDA (triton importable) each dispatches to TRL's own
+                                    Triton kernel (trl/kernels/logprob_entropy.py). TRL 1.16's
+                                    GRPOTrainer calls neither on logits: it runs its fused LM head
+                                    (trl_chunked_logprobs below)
     verl_logprobs_from_logits()     verl.utils.torch_functional.logprobs_from_logits, or None
                                     (with the reason) when `import verl` fails
-    verl_grpo_math(logp, ...)       verl's compute_policy_loss_vanilla (ratio clamp, dual clip
-                                    c = 3) + low_var_kl KL loss, seq-mean-token-mean
+    verl_grpo_math(logp, ...)       verl's own functions, called as its actor loss
+                                    (verl/workers/utils/losses.py ppo_loss) calls them:
+                                    core_algos.compute_policy_loss_vanilla (ratio clamp, dual clip
+                                    c = 3) + kl_loss_coef * agg_loss(kl_penalty(.., "low_var_kl")),
+                                    seq-mean-token-mean, with a small ActorConfig (verl_actor)
     trl_chunked_logprobs(h, w, ...) TRL 1.16's ChunkedLogProbFunction called as the trainer's
                                     fused LM head does it off CUDA (add_fused_lm_head: every
                                     position scored, outputs=("log_probs", "entropy"))
@@ -77,27 +84,55 @@ def verl_logprobs_from_logits():
     return logprobs_from_logits, ""
 
 
-def _verl_seq_mean_token_mean(x, mask):
-    return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+def verl_actor(beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
+    """verl's actor config of the GRPO setting (one process: global_batch_info left empty)."""
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    return FSDPActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=eps[0],
+        clip_ratio_high=eps[1],
+        clip_ratio_c=VERL_CLIP_RATIO_C,
+        loss_agg_mode="seq-mean-token-mean",
+        use_kl_loss=True,
+        kl_loss_coef=beta,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=0.0,
+        policy_loss=PolicyLossConfig(loss_mode="vanilla"),
+    )
 
 
-def verl_grpo_math(logp, old_logp, ref_logp, advantages, mask, beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
-    """verl's actor loss for GRPO: compute_policy_loss_vanilla (log-ratio clamped to +-20, two-
-    sided clip, dual clip c = 3 for negative advantages) + beta * low_var_kl (k3 clamped to
-    +-10), both aggregated seq-mean-token-mean. Equal to the TRL loss unless a clamp is hit."""
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    mask = mask.to(logp.dtype)
-    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - eps[0], 1 + eps[1])
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    pg_losses3 = -advantages * VERL_CLIP_RATIO_C
-    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    kl = torch.clamp(ref_logp - logp, -20.0, 20.0)
-    kld = torch.clamp(torch.exp(kl) - kl - 1, -10.0, 10.0)
-    return _verl_seq_mean_token_mean(pg_losses, mask) + beta * _verl_seq_mean_token_mean(kld, mask)
+def make_verl_grpo_math(beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
+    """loss(logp, old_logp, ref_logp, advantages, mask): verl's actor loss for GRPO through
+    verl's own core_algos functions, as verl's ppo_loss calls them (its pg metrics included:
+    compute_policy_loss_vanilla reads three of them back with .item()). Equal to the TRL loss
+    unless a clamp (log-ratio +-20, dual clip c = 3, k3 +-10) is hit."""
+    from verl.trainer.ppo import core_algos
+
+    actor = verl_actor(beta, eps)
+    agg = actor.loss_agg_mode
+
+    def verl_grpo_math(logp, old_logp, ref_logp, advantages, mask):
+        if advantages.dim() == 1:  # verl's advantages are per token (broadcast, no copy)
+            advantages = advantages.unsqueeze(1).expand_as(logp)
+        mask = mask.to(torch.bool)
+        pg_loss, _metrics = core_algos.compute_policy_loss_vanilla(
+            old_log_prob=old_logp,
+            log_prob=logp,
+            advantages=advantages,
+            response_mask=mask,
+            loss_agg_mode=agg,
+            config=actor,
+        )
+        kld = core_algos.kl_penalty(logprob=logp, ref_logprob=ref_logp, kl_penalty="low_var_kl")
+        kl_loss = core_algos.agg_loss(
+            loss_mat=kld, loss_mask=mask, loss_agg_mode=agg, **actor.global_batch_info
+        )
+        return pg_loss + kl_loss * actor.kl_loss_coef
+
+    return verl_grpo_math
 
 
 def make_verl_eager_loss():
@@ -105,6 +140,8 @@ def make_verl_eager_loss():
     logprobs_from_logits, why = verl_logprobs_from_logits()
     if logprobs_from_logits is None:
         return None, why
+
+    verl_grpo_math = make_verl_grpo_math()
 
     def verl_eager_loss(logits, tokens, advantages, old_logp, ref_logp, mask):
         logp = logprobs_from_logits(logits, tokens)
