@@ -1,8 +1,10 @@
 """Shared helpers of the benchmarks: device info, timing, peak memory, results files.
 
 Stable API (other benchmarks import it):
-    device_info(device)              -> dict: device name, torch / triton versions, git commit
-    time_fn(fn, warmup, rep, device) -> dict(median, q20, q80) in milliseconds
+    device_info(device)              -> dict: device name, torch / triton versions, git commit,
+                                        the baselines' package versions (`packages`)
+    time_fn(fn, warmup, rep, device, prepare=None)
+                                     -> dict(median, q20, q80 in ms, n_samples: timed calls)
     quantiles(times)                 -> the same dict of a list of times
     peak_memory(fn, device)          -> dict(bytes, method): peak extra memory of one call
     write_results(name, rows, meta)  -> paths of <name>.json and <name>.csv in benchmarks/results/
@@ -21,8 +23,16 @@ Command line and results flow (what every bench_*.py script shares):
     save_cases(name, rows, meta, args, case_of, panels, title) -> the same with a plot_cases PNG
     measure_peaks / time_rows / save_bars -> the flow of the one-op benchmarks (gae, sample)
 
-Timing: on CUDA triton.testing.do_bench (warmup / rep in ms, quantiles 0.5 / 0.2 / 0.8); on CPU
-a time.perf_counter loop of `rep` calls after `warmup` calls.
+Timing: on CUDA `cuda_calls`, triton.testing.do_bench's method (warmup / rep in ms, CUDA events
+around each call, the L2 cache flushed before each by zeroing a 256 MB buffer) with at least
+MIN_CUDA_CALLS (10) timed calls however long a call takes (do_bench alone times one call of a
+row slower than rep), and with an optional untimed `prepare()` before each call (the in-place
+rows: a fresh buffer per call), so every row of every benchmark is timed the same way; on CPU a
+time.perf_counter loop of `rep` calls after `warmup` calls. Every timing records its number of
+timed calls (n_samples): the q20-q80 of a few calls is no spread.
+
+Units: memory in MiB (2**20 bytes; the results' `*_MB` keys hold MiB), traffic and bandwidth in
+GB (1e9 bytes).
 
 Peak memory: on CUDA torch.cuda.max_memory_allocated() during the call minus the allocation
 before it. On CPU torch has no allocator statistics, so it is the process's resident-set
@@ -53,7 +63,26 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PEAK_BANDWIDTH_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}  # HBM peak, GB/s
+# HBM peak, GB/s, by the full name torch.cuda.get_device_name reports (the H100 and A100 come in
+# variants of different bandwidth: PCIe 2.0 TB/s, NVL 3.9 TB/s, A100 40GB 1.56 TB/s); a name not
+# listed gets no peak and so no % of roofline (device_info says why), never a guess
+PEAK_BANDWIDTH_GBS = {
+    "NVIDIA H200": 4800.0,  # SXM, 141 GB HBM3e
+    "NVIDIA H200 NVL": 4800.0,
+    "NVIDIA H100 80GB HBM3": 3350.0,  # SXM5
+    "NVIDIA H100 PCIe": 2000.0,
+    "NVIDIA H100 NVL": 3900.0,
+    "NVIDIA A100-SXM4-80GB": 2039.0,
+    "NVIDIA A100 80GB PCIe": 1935.0,
+    "NVIDIA A100-SXM4-40GB": 1555.0,
+    "NVIDIA A100-PCIE-40GB": 1555.0,
+}
+MIN_CUDA_CALLS = 10  # timed calls per CUDA timing at least (cuda_calls)
+# the packages whose versions a results file records (importlib.metadata distribution names):
+# the library, the baselines the benchmarks call, and what they run on
+PACKAGES = (
+    "fastrl", "torch", "triton", "transformers", "trl", "liger-kernel", "verl", "datasets",
+)  # fmt: skip
 
 
 # Paths whose uncommitted edits leave a recording clean: the results files, and prose (Markdown,
@@ -102,6 +131,29 @@ def run_env() -> dict:
     return {k: os.environ.get(k) for k in RUN_ENV_VARS}
 
 
+def peak_bandwidth(name: str) -> tuple[float | None, str | None]:
+    """(HBM peak GB/s, None) of a device known by its full name (PEAK_BANDWIDTH_GBS), else
+    (None, why there is no roofline)."""
+    peak = PEAK_BANDWIDTH_GBS.get(name.strip())
+    if peak is not None:
+        return peak, None
+    why = f"no peak bandwidth listed for {name!r} (_common.PEAK_BANDWIDTH_GBS): no % of roofline"
+    return None, why
+
+
+def package_versions(names=PACKAGES) -> dict:
+    """{distribution: its installed version, or None where it is not installed}."""
+    from importlib import metadata
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def device_info(device: str | torch.device = "cpu") -> dict:
     device = torch.device(device)
     if device.type == "cuda":
@@ -121,7 +173,7 @@ def device_info(device: str | torch.device = "cpu") -> dict:
         triton_version = triton.__version__
     except Exception:  # pragma: no cover
         triton_version = None
-    peak = next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
+    peak, no_peak = peak_bandwidth(name) if device.type == "cuda" else (None, None)
     return {
         "device": str(device),
         "device_name": name,
@@ -131,6 +183,8 @@ def device_info(device: str | torch.device = "cpu") -> dict:
         "python": platform.python_version(),
         "git_commit": git_commit(),
         "peak_bandwidth_GBs": peak,
+        **({"peak_bandwidth_note": no_peak} if no_peak else {}),
+        "packages": package_versions(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -154,24 +208,90 @@ def quantiles(times: list[float]) -> dict:
     }
 
 
-def time_fn(fn, warmup: int = 1, rep: int = 5, device: str | torch.device = "cpu") -> dict:
-    """Median and 20 / 80 % quantiles of fn()'s wall time in ms.
+def time_fn(
+    fn,
+    warmup: int = 1,
+    rep: int = 5,
+    device: str | torch.device = "cpu",
+    prepare=None,
+    min_calls: int = MIN_CUDA_CALLS,
+) -> dict:
+    """Median and 20 / 80 % quantiles of fn()'s time in ms, and n_samples (timed calls).
 
-    CUDA: triton.testing.do_bench(fn, warmup=warmup, rep=rep) (both in ms there).
+    With `prepare`, each call is fn(prepare()), prepare() outside the timed region.
+    CUDA: cuda_calls(fn, warmup, rep, ...) (both in ms, as for do_bench; at least `min_calls`).
     CPU: `warmup` calls, then `rep` timed calls."""
     if torch.device(device).type == "cuda":
-        from triton.testing import do_bench
+        times = cuda_calls(fn, warmup, rep, CudaClock(device), prepare, min_calls)
+    else:
+        for _ in range(warmup):
+            fn(*_arg(prepare))
+        times = []
+        for _ in range(rep):
+            arg = _arg(prepare)
+            t0 = time.perf_counter()
+            fn(*arg)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {**quantiles(times), "n_samples": len(times)}
 
-        med, q20, q80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
-        return {"median": med, "q20": q20, "q80": q80}
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return quantiles(times)
+
+def _arg(prepare) -> tuple:
+    return () if prepare is None else (prepare(),)
+
+
+class CudaClock:
+    """What cuda_calls times with on CUDA: events on the current stream, a synchronize, and the
+    L2 flush of triton.testing.do_bench (zeroing a 256 MB buffer, larger than any L2)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cache = torch.empty(int(256e6 // 4), dtype=torch.int, device=self.device)
+
+    def event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def flush(self) -> None:
+        self.cache.zero_()
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def cuda_calls(fn, warmup_ms, rep_ms, clock, prepare=None, min_calls=MIN_CUDA_CALLS) -> list:
+    """The times (ms) of fn's timed calls, triton.testing.do_bench's method: one call, the
+    estimate of a call's time (the mean of up to 5 calls, fewer when they pass rep_ms), then
+    max(1, warmup_ms / estimate) untimed calls and max(min_calls, rep_ms / estimate) timed ones,
+    each after the L2 flush and between two events, synchronised once at the end. Unlike
+    do_bench: at least `min_calls` timed calls (do_bench times a single call of a row slower
+    than rep_ms, whose q20 and q80 then equal its median), and with `prepare` each call is
+    fn(prepare()), prepare() before the flush and outside the events."""
+    fn(*_arg(prepare))
+    clock.sync()
+    total, n_est = 0.0, 0
+    while n_est < 5 and total <= rep_ms:
+        arg = _arg(prepare)
+        clock.flush()
+        start, end = clock.event(), clock.event()
+        start.record()
+        fn(*arg)
+        end.record()
+        clock.sync()
+        total += start.elapsed_time(end)
+        n_est += 1
+    estimate = max(total / n_est, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn(*_arg(prepare))
+    events = []
+    for _ in range(max(min_calls, int(rep_ms / estimate))):
+        arg = _arg(prepare)
+        clock.flush()
+        start, end = clock.event(), clock.event()
+        start.record()
+        fn(*arg)
+        end.record()
+        events.append((start, end))
+    clock.sync()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def _proc_status(key: str) -> int:
@@ -524,7 +644,8 @@ def keep_rows_on_interrupt(notes: dict, rows: list):
     """Around a benchmark's measuring loop: a KeyboardInterrupt (run_all's stage timeout sends
     SIGINT, then SIGKILL GRACE_S later; a lent GPU call is cut at its limit) ends the loop, not
     the script, so the rows measured so far are still written, with notes["interrupted"] saying
-    so. Without this a cut stage lost every row it had timed."""
+    so. Without this a cut stage lost every row it had timed. Every benchmark run_all stages
+    wraps its measuring loop in it (tests/test_benchmarks.py checks them)."""
     try:
         yield
     except KeyboardInterrupt:
@@ -575,14 +696,22 @@ def measure_peaks(calls: dict, device, script=None, argv=()) -> tuple[dict, str]
     return {name: peak_memory(fn, device)["bytes"] for name, fn in calls.items()}, how
 
 
-def time_rows(calls: dict, reps: dict, device, peaks: dict, **shape) -> list[dict]:
+def time_rows(
+    calls: dict, reps: dict, device, peaks: dict, rows=None, min_calls=None, **shape
+) -> list[dict]:
     """One row per call: time_fn with warm-up 25 ms (CUDA) / 1 call (CPU) and reps[name] ms /
-    calls, then method, the `shape` fields, median / q20 / q80 ms (3 decimals) and peak MB of
-    peaks[name] bytes (1 decimal). Each row is printed as it is done."""
+    calls (CUDA: at least min_calls.get(name, MIN_CUDA_CALLS) timed calls), then method, the
+    `shape` fields, median / q20 / q80 ms (3 decimals), n_samples and peak MiB (key peak_MB) of
+    peaks[name] bytes (1 decimal). Each row is appended to `rows` (a list the caller may hold,
+    so that keep_rows_on_interrupt keeps the rows done) and printed as it is done."""
     cuda = torch.device(device).type == "cuda"
-    rows = []
+    rows = [] if rows is None else rows
     for name, fn in calls.items():
-        t = time_fn(fn, 25, reps[name], "cuda") if cuda else time_fn(fn, 1, reps[name])
+        if cuda:
+            least = (min_calls or {}).get(name, MIN_CUDA_CALLS)
+            t = time_fn(fn, 25, reps[name], "cuda", min_calls=least)
+        else:
+            t = time_fn(fn, 1, reps[name])
         rows.append(
             {
                 "method": name,
@@ -590,6 +719,7 @@ def time_rows(calls: dict, reps: dict, device, peaks: dict, **shape) -> list[dic
                 "median_ms": round(t["median"], 3),
                 "q20_ms": round(t["q20"], 3),
                 "q80_ms": round(t["q80"], 3),
+                "n_samples": t["n_samples"],
                 "peak_MB": round(peaks[name] / 2**20, 1),
             }
         )
@@ -600,6 +730,6 @@ def time_rows(calls: dict, reps: dict, device, peaks: dict, **shape) -> list[dic
 def save_bars(name: str, rows: list[dict], meta: dict, out, title: str) -> dict:
     """write_results into `out` and a PNG of median time and peak memory per method; the paths."""
     paths = write_results(name, rows, meta, Path(out))
-    panels = [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MB)")]
+    panels = [("median_ms", "median time (ms)"), ("peak_MB", "peak memory (MiB)")]
     paths["png"] = plot_bars(Path(out) / f"{name}.png", rows, "method", panels, title=title)
     return paths

@@ -25,31 +25,39 @@ Rows (methods):
                         preallocated (its peak memory is therefore ~0 and not comparable): the
                         floor of any fused-linear loss
   matmul+fastrl         logits = h @ W.T materialised, then fastrl.policy_loss
-  matmul+trl-eager      logits = h @ W.T, then the TRL-style eager loss (selective_log_softmax,
-                        entropy metric under no_grad, TRL GRPO math): THE MEMORY BASELINE
-  trl-chunked           TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py), called
-                        as GRPOTrainer's fused LM head calls it off CUDA (outputs log_probs and
-                        entropy), then TRL's GRPO math
+  matmul+trl-eager      logits = h @ W.T, then bench_policy_loss's trl-eager loss (TRL's logits
+                        helpers selective_log_softmax + entropy_from_logits under no_grad, TRL
+                        GRPO math; eager torch loops on the CPU, TRL's Triton kernel on CUDA):
+                        THE MEMORY BASELINE
+  trl-chunked           what TRL 1.16's GRPOTrainer runs: its fused LM head's
+                        ChunkedLogProbFunction (trl/kernels/chunked_logprob.py; its chunk folds
+                        are Triton kernels on CUDA, torch tiles on the CPU), outputs log_probs and
+                        entropy, then TRL's GRPO math. Every position is scored, as the trainer
+                        does off CUDA; on CUDA the trainer scores only the valid ones (the same
+                        here: every position is valid)
   liger-fused-linear    liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(loss_type="grpo",
                         beta 0.04, eps 0.2, defaults otherwise: compiled loss math, chunk_size 1)
                         on its torch path; skipped with a note when it cannot be imported
   <fastrl row> (90% masked)   the two fastrl rows with only the first 10 % of every sequence's
-                        positions valid (prompt / padding positions cost no GEMM work there)
+                        positions valid (prompt / padding positions cost no GEMM work there, so
+                        their flops count the valid positions only)
   <fastrl row>[chunk=C] only with --chunk-sizes C ...: linear_logprobs+grpo and
                         fastrl-fused-linear again with chunk_size=C rows per chunk (the rows
                         above use the library's default, chunk_size=None), one row per C, after
                         the others: the sweep that picks a device's chunk size
 
-Reported per row: total_ms (forward + backward, median, q20, q80); TFLOP/s = 6 N H V / total
-time (nominal: the forward GEMM and the two gradient GEMMs, charged the same for every row,
-masked rows included); x_gemm_floor = total / the gemm-floor row of the same shape and dtype;
-peak_MB (CPU: resident-set high-water mark in a child process per shape and dtype; CUDA:
+Reported per row: total_ms (forward + backward, median, q20, q80) and n_samples (timed calls);
+flops = 6 * valid_tokens * H * V (the forward GEMM and the two gradient GEMMs of the positions
+the mask keeps: N in every row but the masked ones, whose masked positions cost no GEMM) and
+TFLOP/s = flops / total time; x_gemm_floor = total / the gemm-floor row of the same shape and dtype;
+peak_MB (MiB; CPU: resident-set high-water mark in a child process per shape and dtype; CUDA:
 max_memory_allocated; see benchmarks/_common.py); memory_vs_matmul_trl_eager; for the masked
 rows vs_unmasked = total / the same method's unmasked total; chunk_size = C for the [chunk=C]
 rows (None for the others) and vs_default_chunk = total / the same method's default-chunk total.
 Repetitions (CPU): 1 warm-up (after the memory child's and the loss-value call) and 7 timed
 calls; rows whose warm-up call takes more than --slow-ms (2500 ms) get --slow-rep (5) timed
-calls. On CUDA --warmup / --rep are milliseconds for do_bench.
+calls. On CUDA --warmup / --rep are milliseconds, as for do_bench, with at least 10 timed calls
+per row (benchmarks/_common.py: cuda_calls).
 Results: <out>/bench_fused_linear_<device>.{json,csv,png}; `python benchmarks/report.py --readme`.
 """
 
@@ -264,9 +272,9 @@ def measure_memory(step, hidden, weight, device):
     return common.peak_memory(once, device)
 
 
-def run(name, step, hidden, weight, case, args, device, mem, chunk=None):
+def run(name, step, hidden, weight, case, args, device, mem, chunk=None, valid=None):
     """One row: time, TFLOP/s and memory of `name` on `case` (`chunk`: its chunk_size, None for
-    the library default)."""
+    the library default; `valid`: the positions its mask keeps, default all N)."""
     N, H, V, dtype = case
     h, w = leaves(hidden, weight)
     if mem is None:
@@ -284,7 +292,10 @@ def run(name, step, hidden, weight, case, args, device, mem, chunk=None):
     warmup = max(args.warmup - 1, 0) if device.type != "cuda" else args.warmup
     rep = min(args.slow_rep, args.rep) if slow else args.rep
     t = common.time_fn(fwd_bwd, warmup=warmup, rep=rep, device=device)
-    flops = 6 * N * H * V
+    # the GEMM work of the valid positions: the fused paths skip the GEMMs of masked rows, so
+    # charging a 90 %-masked row 6 N H V gave rates above the hardware's peak
+    valid = N if valid is None else valid
+    flops = 6 * valid * H * V
     itemsize = common.DTYPES[dtype].itemsize
     row = {
         "method": name,
@@ -301,13 +312,16 @@ def run(name, step, hidden, weight, case, args, device, mem, chunk=None):
         "B": hidden.shape[0],
         "T": hidden.shape[1],
         "dtype": dtype,
-        "masked_frac": 0.9 if name.endswith(MASKED) else 0.0,
+        "masked_frac": 1.0 - valid / N,
+        "valid_tokens": valid,
         "chunk_size": chunk,
         "warmup": warmup + 1,
         "rep": rep,
         "total_ms": t["median"],
         "total_ms_q20": t["q20"],
         "total_ms_q80": t["q80"],
+        "n_samples": t["n_samples"],
+        "flops": flops,
         "TFLOPs": flops / 1e12 / (t["median"] / 1e3),
         "peak_MB": mem["bytes"] / 2**20,
         "logits_MB": N * V * itemsize / 2**20,
@@ -443,17 +457,20 @@ def main(argv=None):
             hidden, weight, li, full, masked = make_inputs(N, H, V, args.T, dt, device)
             methods = build_methods(hidden, weight, li, full, masked, args, notes)
             chunks = {chunk_label(m, c): c for c in args.chunk_sizes or () for m in CHUNKED}
+            n_valid = int(masked.sum())
             for name, step in methods.items():
                 bar.set_postfix_str(f"{label}: {name}")
+                valid = n_valid if name.endswith(MASKED) else None
                 row, mem_method = run(
-                    name, step, hidden, weight, case, args, device, mems.get(name), chunks.get(name)
-                )
+                    name, step, hidden, weight, case, args, device, mems.get(name),
+                    chunks.get(name), valid,
+                )  # fmt: skip
                 rows.append(row)
                 bar.update()
                 bar.write(
                     f"{label:26s} {name:36s} {row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
                     f"{row['total_ms_q80']:.1f}]  {row['TFLOPs']:.3f} TFLOP/s  "
-                    f"peak {row['peak_MB']:.0f} MB"
+                    f"peak {row['peak_MB']:.0f} MiB"
                 )
             del hidden, weight, li, methods
             gc.collect()
@@ -503,12 +520,14 @@ def main(argv=None):
         "chunk_rows": "<method>[chunk=C]: chunk_size=C; every other row chunk_size=None (the "
         "library's default: each case's default_chunk rows); vs_default_chunk = total / the "
         "default row's total",
-        "timing": "triton.testing.do_bench (ms)"
+        "timing": "_common.cuda_calls: do_bench's method (L2 flushed, CUDA events), warmup "
+        f"{args.warmup} ms, rep {args.rep} ms, at least {common.MIN_CUDA_CALLS} timed calls"
         if cuda
         else f"perf_counter, warmup {args.warmup} (the loss-value call), rep {args.rep}; rows "
         f"whose first call exceeds {args.slow_ms:.0f} ms: rep {min(args.slow_rep, args.rep)}",
         "memory_method": mem_method,
-        "nominal_flops": "6 * N * H * V (forward GEMM and the two gradient GEMMs), all rows",
+        "nominal_flops": "6 * valid_tokens * H * V (forward GEMM and the two gradient GEMMs of the "
+        "positions the mask keeps: N for every row but the masked ones), the row's `flops`",
         "threads": torch.get_num_threads(),
         "env": common.run_env(),
         "notes": notes,
@@ -519,7 +538,7 @@ def main(argv=None):
         meta,
         args,
         lambda r: f"N={r['N']}, H={r['H']}, V={r['V']}, {r['dtype']}",
-        [common.TOTAL_MS_PANEL, ("peak_MB", "peak memory (MB)")],
+        [common.TOTAL_MS_PANEL, ("peak_MB", "peak memory (MiB)")],
         "GRPO loss from hidden states (LM head fused), fwd+bwd",
     )
     print(paths)

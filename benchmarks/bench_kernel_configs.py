@@ -28,7 +28,8 @@ Rows (kind):
                  host slower); the same for fastrl.sample on 256 rows (decode's shape)
   fusion         the one-pass kernel at its launcher's configuration with fp fusion on and off
                  (the cost of launch.EXACT_PRODUCTS)
-Each timed row: median ms (q20, q80) by triton.testing.do_bench on CUDA, GB/s of the bytes that
+Each timed row: median ms (q20, q80) and n_samples by _common.time_fn on CUDA (do_bench's
+method, at least 10 timed calls), GB/s of the bytes that
 kernel must move (stats, sample: N V itemsize; grad, one-pass, e2e, floor: 2 N V itemsize) and
 that as a
 share of the `floor` row's GB/s. Rows are written as they are measured
@@ -174,7 +175,12 @@ def main(argv=None) -> None:
     reps = (1, 2) if args.quick else (args.warmup, args.rep)
     os.environ.setdefault("FASTRL_BACKEND", "triton")
     PL.config = SK.config = _swept_config
-    meta = {**common.device_info(device), "N": N, "dtype": "bf16", "timing": "do_bench median"}
+    meta = {
+        **common.device_info(device),
+        "N": N,
+        "dtype": "bf16",
+        "timing": "_common.cuda_calls median",
+    }
     notes: dict = {}
     meta["notes"] = notes
     rows: list[dict] = []
@@ -186,7 +192,8 @@ def main(argv=None) -> None:
     def timed(kind, V, label, fn, nbytes, **extra):
         t = common.time_fn(fn, *reps, device=device)
         row = {"kind": kind, "V": V, "config": label, "ms": t["median"], "ms_q20": t["q20"],
-               "ms_q80": t["q80"], "GBs": nbytes / t["median"] / 1e6, **extra}  # fmt: skip
+               "ms_q80": t["q80"], "n_samples": t["n_samples"],
+               "GBs": nbytes / t["median"] / 1e6, **extra}  # fmt: skip
         floor = next((r for r in rows if r["kind"] == "floor" and r["V"] == V), None)
         if floor is not None:
             row["vs_copy"] = row["GBs"] / floor["GBs"]

@@ -19,18 +19,29 @@ Rows (methods):
                        statistics and gradient in one program (_policy_loss_fwd_kernel)
   fastrl-two-kernel    CUDA only: the same with FASTRL_ONE_PASS=0 (statistics kernel, O(N)
                        autograd of the per-token terms, gradient kernel): the one-pass kernel's A/B
-  fastrl-inplace       the same with inplace=True: the gradient overwrites the logits buffer (the
-                       timed loop keeps calling it on that buffer; the cost does not depend on the
-                       values)
-  trl-eager            THE BASELINE of every speed-up and memory ratio: what TRL's GRPOTrainer
-                       runs on logits - trl.trainer.utils.selective_log_softmax, the entropy
-                       metric (entropy_from_logits under no_grad, as TRL's compute_entropy=True
-                       path), TRL 1.16's per-token GRPO math (benchmarks/_baselines.py)
+  fastrl-inplace       the same with inplace=True: the gradient overwrites the logits buffer (each
+                       timed call gets a fresh copy from an untimed prepare(); the cost does not
+                       depend on the values)
+  trl-eager            THE BASELINE of every speed-up and memory ratio: TRL 1.16's logits helpers
+                       trl.trainer.utils.selective_log_softmax and, under no_grad, the entropy
+                       metric entropy_from_logits, then TRL's per-token GRPO math
+                       (benchmarks/_baselines.py). What they run depends on the device: on the
+                       CPU their eager torch loops (a per-sequence logsumexp for fp32, a
+                       per-sequence log_softmax for bf16; entropy in 128-row chunks); on CUDA
+                       (triton importable) each dispatches to TRL's own Triton kernel
+                       (trl/kernels/logprob_entropy.py, `_fused_logprob_entropy`), one call for
+                       the log-probs and one for the entropy. The key stays `trl-eager` (the
+                       results files' row name); report.py labels the row per device. TRL
+                       1.16's GRPOTrainer itself calls neither on logits: it patches the model
+                       with its fused, chunked LM head (add_fused_lm_head ->
+                       ChunkedLogProbFunction), the `trl-chunked` row of bench_fused_linear.py
   trl-eager-compiled   torch.compile of that whole trl-eager loss function (compiled once per
                        shape and dtype; compilation is in the warm-up, not the timings)
-  verl-eager           verl.utils.torch_functional.logprobs_from_logits + verl's per-token math
-                       (compute_policy_loss_vanilla with dual clip, low_var_kl); skipped, with a
-                       printed note, when `import verl` fails
+  verl-eager           verl.utils.torch_functional.logprobs_from_logits, then verl's own
+                       core_algos.compute_policy_loss_vanilla (dual clip c = 3), kl_penalty
+                       ("low_var_kl") and agg_loss (seq-mean-token-mean), called as verl's actor
+                       does (benchmarks/_baselines.py); skipped, with a printed note, when
+                       `import verl` fails
   reference (oracle)   fastrl.reference.policy_loss: the readable oracle of SPEC.md, shown for
                        context only - never the baseline of a speed-up; fewer repetitions
                        (--slow-rep) because it is slow
@@ -42,7 +53,8 @@ Reported per row:
   bwd_ms     max(total_ms - fwd_ms, 0) of the medians. fastrl computes the gradient inside its
              forward, so its fwd_ms holds nearly all the work and its bwd_ms is ~0: compare
              total_ms across methods, not fwd / bwd.
-  peak_MB    peak memory of one forward + backward above the inputs (CPU: resident-set
+  n_samples  timed calls of total_ms (fwd_n_samples: of fwd_ms)
+  peak_MB    peak memory (MiB) of one forward + backward above the inputs (CPU: resident-set
              high-water mark in a child process per shape and dtype; CUDA: max_memory_allocated;
              see benchmarks/_common.py)
   GBs        nominal traffic / total time, the nominal traffic being the floor of any method:
@@ -53,7 +65,8 @@ Reported per row:
   speedup_vs_trl_eager, memory_vs_trl_eager   against the trl-eager row of the same shape/dtype
 The CPU's copy bandwidth and exp rate are measured at the start and stored in the JSON meta.
 Repetitions (CPU): --warmup 2 and --rep 7 calls per timing by default; the reference oracle row
---slow-rep 3 (after 1 warm-up). On CUDA --warmup / --rep are milliseconds for do_bench.
+--slow-rep 3 (after 1 warm-up). On CUDA --warmup / --rep are milliseconds, as for do_bench, with
+at least 10 timed calls per timing (benchmarks/_common.py: cuda_calls).
 Results: <out>/bench_policy_loss_<device>.{json,csv,png}; `python benchmarks/report.py --readme`
 turns them into the README table.
 """
@@ -64,7 +77,6 @@ import gc
 import json
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -218,42 +230,6 @@ def measure_memory(forward, base, prepare, device):
     return common.peak_memory(lambda: fwd_bwd(y), device)
 
 
-def time_prepared(prepare, fn, warmup, rep, device):
-    """time_fn(lambda: fn(prepare())) with prepare() outside the timed region: median, q20, q80
-    in ms. CPU: warmup + rep calls; CUDA: warmup / rep are milliseconds as for do_bench (the
-    number of calls follows from a first call), each call timed by CUDA events."""
-    if device.type != "cuda":
-        return _time_loop(prepare, fn, warmup, rep, device)
-    fn(prepare())
-    torch.cuda.synchronize(device)
-    est = _time_loop(prepare, fn, 0, 1, device)["median"]
-    n_warm = max(1, int(warmup / max(est, 1e-3)))
-    n_rep = max(5, int(rep / max(est, 1e-3)))
-    return _time_loop(prepare, fn, n_warm, min(n_rep, 1000), device)
-
-
-def _time_loop(prepare, fn, warmup, rep, device):
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn(prepare())
-    times = []
-    for _ in range(rep):
-        arg = prepare()
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(arg)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn(arg)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return common.quantiles(times)
-
-
 def bench_method(name, method, case, args, device, mem, rates):
     """One row: fwd and fwd+bwd timings, memory, traffic and floors of `name` on `case`."""
     forward, base, prepare = method
@@ -274,14 +250,12 @@ def bench_method(name, method, case, args, device, mem, rates):
     warmup = min(args.warmup, 1) if slow else args.warmup
     rep = min(args.slow_rep, args.rep) if slow else args.rep
     x.grad = None
-    if prepare is None:
-        t_total = common.time_fn(lambda: fwd_bwd(x), warmup=warmup, rep=rep, device=device)
-        x.grad = None
-        t_fwd = common.time_fn(lambda: fwd_only(x), warmup=warmup, rep=rep, device=device)
-    else:
-        t_total = time_prepared(lambda: prepare(x), fwd_bwd, warmup, rep, device)
-        x.grad = None
-        t_fwd = time_prepared(lambda: prepare(x), fwd_only, warmup, rep, device)
+    # every row timed alike (common.time_fn: on CUDA do_bench's method with the L2 flushed before
+    # each call); the in-place row gets its fresh buffer from prepare(), outside the timed region
+    make = (lambda: prepare(x)) if prepare is not None else (lambda: x)
+    t_total = common.time_fn(fwd_bwd, warmup=warmup, rep=rep, device=device, prepare=make)
+    x.grad = None
+    t_fwd = common.time_fn(fwd_only, warmup=warmup, rep=rep, device=device, prepare=make)
     x.grad = None
     N = B * T
     itemsize = common.DTYPES[dtype].itemsize
@@ -308,6 +282,8 @@ def bench_method(name, method, case, args, device, mem, rates):
         "total_ms": t_total["median"],
         "total_ms_q20": t_total["q20"],
         "total_ms_q80": t_total["q80"],
+        "n_samples": t_total["n_samples"],
+        "fwd_n_samples": t_fwd["n_samples"],
         "bwd_ms": max(t_total["median"] - t_fwd["median"], 0.0),
         "fwd_includes_grad": name.startswith("fastrl"),
         "peak_MB": mem["bytes"] / 2**20,
@@ -442,7 +418,7 @@ def main(argv=None):
                 bar.write(
                     f"{label:22s} {name:20s} fwd {row['fwd_ms']:9.1f}  total "
                     f"{row['total_ms']:9.1f} ms [{row['total_ms_q20']:.1f}, "
-                    f"{row['total_ms_q80']:.1f}]  peak {row['peak_MB']:8.1f} MB  "
+                    f"{row['total_ms_q80']:.1f}]  peak {row['peak_MB']:8.1f} MiB  "
                     f"{row['GBs']:6.1f} GB/s"
                 )
             del inp, methods
@@ -463,12 +439,19 @@ def main(argv=None):
         **info,
         "benchmark": "policy_loss fwd+bwd on logits, GRPO (clip 0.2/0.2, k3 KL beta 0.04, "
         "seq-mean-token-mean)",
-        "baseline": f"{BASELINE}: trl.trainer.utils.selective_log_softmax + entropy metric "
-        "(no_grad) + TRL 1.16 GRPO per-token math; every speedup / memory ratio is against it",
+        "baseline": f"{BASELINE}: trl.trainer.utils.selective_log_softmax + entropy_from_logits "
+        "(no_grad) + TRL 1.16 GRPO per-token math; every speedup / memory ratio is against it. "
+        + (
+            "On CUDA both helpers dispatch to TRL's Triton kernel (_fused_logprob_entropy)"
+            if cuda
+            else "On the CPU both helpers run their eager torch loops"
+        ),
         "oracle": f"{ORACLE}: fastrl.reference.policy_loss, the readable oracle; never a baseline",
         "cases": [{"B": b, "T": t, "V": v, "dtype": d} for b, t, v, d in cases],
         "slice": args.slice,
-        "timing": "triton.testing.do_bench (ms)"
+        "timing": "_common.cuda_calls: do_bench's method (L2 flushed, CUDA events), warmup "
+        f"{args.warmup} ms, rep {args.rep} ms, at least {common.MIN_CUDA_CALLS} timed calls; the "
+        "in-place row the same, its buffer prepared outside the timed region"
         if cuda
         else f"perf_counter, warmup {args.warmup}, rep {args.rep} "
         f"(the oracle row: warmup 1, rep {min(args.slow_rep, args.rep)})",
@@ -486,7 +469,7 @@ def main(argv=None):
     }
     name = f"bench_policy_loss_{device.type}" + (f"_busy{args.busy}" if args.busy else "")
     case_of = lambda r: f"N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']}, {r['dtype']}"  # noqa: E731
-    panels = [common.TOTAL_MS_PANEL, ("peak_MB", "peak memory (MB)")]
+    panels = [common.TOTAL_MS_PANEL, ("peak_MB", "peak memory (MiB)")]
     title = "GRPO policy loss on logits, fwd+bwd"
     paths = common.save_cases(name, rows, meta, args, case_of, panels, title)
     print(paths)
