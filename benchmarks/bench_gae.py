@@ -14,11 +14,12 @@ over the counted tokens on both sides. Methods:
                 a GPU image without verl's dependencies); --no-verl leaves it out
   fastrl.gae    CPU: the blocked closed-form scan; CUDA: the Triton kernel (check=False: no
                 NaN check, so no host sync)
-Reported: median and q20/q80 time (ms), speedup of the median over the loop, GBs = the floor
+Reported: median and q20/q80 time (ms) and n_samples (timed calls; on CUDA at least 10, the
+per-step loops 5), speedup of the median over the loop, GBs = the floor
 traffic (read rewards, values and the bool mask once, write advantages and returns once: 17 bytes
 a token) / median time, pct_bw = GBs against the device's peak bandwidth (known GPUs) or the CPU's
-copy bandwidth measured with the same threads (in the JSON meta), peak memory of one call above
-the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
+copy bandwidth measured with the same threads (in the JSON meta), peak memory (MiB) of one call
+above the inputs (CPU: measured in a child process with MALLOC_MMAP_THRESHOLD_=65536, see
 benchmarks/_common.py; CUDA: max_memory_allocated). On CPU both methods use --threads torch
 threads (default: all cores); fastrl's scan runs whole chunks of rows on that many
 single-threaded workers (no intra-op barrier per op, so another process on one core slows it
@@ -43,12 +44,15 @@ from _common import (  # noqa: E402
     busy_processes,
     cpu_rates,
     device_info,
+    keep_rows_on_interrupt,
     measure_peaks,
     save_bars,
     time_rows,
 )
 
 import fastrl  # noqa: E402
+
+LOOP_MIN_CALLS = 5  # CUDA: timed calls of the per-step loops at least (the others: 10)
 
 
 def loop_gae(rewards, values, mask, gamma, lam):
@@ -166,8 +170,13 @@ def main() -> None:
     loop_reps = (args.rep or 500) if cuda else args.loop_rep
     reps = {"python-loop": loop_reps, "verl": loop_reps}
     reps["fastrl.gae"] = args.rep or (100 if cuda else 10)
-    with busy_processes(args.busy):
-        rows = time_rows(calls, reps, args.device, peaks, B=args.B, T=args.T)
+    # the per-step loop takes seconds a call on a GPU (1.3 s on an H200): 5 timed calls there
+    least = {"python-loop": LOOP_MIN_CALLS, "verl": LOOP_MIN_CALLS}
+    rows: list[dict] = []
+    with keep_rows_on_interrupt(notes, rows), busy_processes(args.busy):  # a stage timeout
+        time_rows(calls, reps, args.device, peaks, rows, least, B=args.B, T=args.T)
+    if not rows:
+        raise SystemExit("interrupted before the first row was timed")
     base = next((row["median_ms"] for row in rows if row["method"] == "python-loop"), None)
     for row in rows:
         row["speedup_vs_loop"] = round(base / row["median_ms"], 2) if base else None

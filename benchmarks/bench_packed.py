@@ -296,15 +296,17 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def run_case(b, args, device, mems, notes, bar=None) -> list[dict]:
+def run_case(b, args, device, mems, notes, bar=None, sink=None) -> list[dict]:
     """The rows of one case (shape, dtype); `mems` is {method: peak_memory dict} from a memory
-    child (CPU), or None to measure here. memory_only: only measure (the child's job)."""
+    child (CPU), or None to measure here. memory_only: only measure (the child's job). Each row
+    is appended to `sink` (when given, else a new list) as it is measured, so that a run cut
+    short keeps them (finish_case then gives them their rates and ratios)."""
     families = args.families
     cuda = device.type == "cuda"
     itemsize = b["dtype"].itemsize
     S, T, V, N = b["S"], b["T"], b["V"], b["N"]
     methods = logits_methods(b, families)
-    rows, measured = [], {}
+    rows, measured = ([] if sink is None else sink), {}
 
     def one(name, layout, family, step, leaves, section, extra):
         row = {
@@ -355,6 +357,7 @@ def run_case(b, args, device, mems, notes, bar=None) -> list[dict]:
             total_ms=t["median"],
             total_ms_q20=t["q20"],
             total_ms_q80=t["q80"],
+            n_samples=t["n_samples"],
             peak_MB=None if mem is None else mem["bytes"] / 2**20,
             memory_method=None if mem is None else mem["method"],
             loss=loss,
@@ -401,6 +404,14 @@ def run_case(b, args, device, mems, notes, bar=None) -> list[dict]:
 
     if args.memory_only:
         return measured
+    return finish_case(rows, b, args)
+
+
+def finish_case(rows: list[dict], b, args) -> list[dict]:
+    """Give the measured rows of one case their traffic (logits rows) or GEMM rate (fused-linear
+    rows) and the packed / padded ratios of add_ratios; the rows, changed in place."""
+    itemsize = b["dtype"].itemsize
+    V, N = b["V"], b["N"]
     for r in rows:
         if r["oom"]:
             continue
@@ -545,6 +556,48 @@ def child_argv(args, dtype: str) -> list[str]:
     return argv
 
 
+def measure_cases(dtypes, args, device, bar, notes, rows: list, cases: list) -> None:
+    """Measure every dtype's case into `rows` (and its description into `cases`): a case's rows
+    join `rows` as they are measured, finished (rates, ratios) also when the run is cut short."""
+    cuda = device.type == "cuda"
+    for dtype in dtypes:
+        args.dtype_name = dtype
+        mems = None
+        if not cuda and args.memory == "child":
+            mems = common.case_memory(bar, dtype, __file__, child_argv(args, dtype))
+        dt = common.DTYPES[dtype]
+        b = make_batch(args.S, args.T, args.V, dt, device, args.seed, args.group_size)
+        cases.append(
+            {"S": b["S"], "T": b["T"], "V": b["V"], "N": b["N"], "dtype": dtype,
+             "pad_frac": b["pad_frac"], "lengths": b["lengths"].tolist()}
+        )  # fmt: skip
+        case_rows: list[dict] = []
+        try:
+            run_case(b, args, device, mems, notes, bar, case_rows)
+        except KeyboardInterrupt:  # a stage timeout: keep the rows of this case measured so far
+            rows += finish_case(case_rows, b, args)
+            raise
+        for r in case_rows:
+            if r["oom"]:
+                bar.write(f"{dtype:5s} {r['method']:20s} out of memory")
+                continue
+            peak = "n/a" if r["peak_MB"] is None else f"{r['peak_MB']:8.1f} MiB"
+            speed = r["speedup_packed_vs_padded"]
+            bar.write(
+                f"{dtype:5s} {r['method']:20s} {r['total_ms']:9.1f} ms "
+                f"[{r['total_ms_q20']:.1f}, {r['total_ms_q80']:.1f}]  peak {peak}  "
+                + (
+                    f"{r['GBs']:6.1f} GB/s ({r['useful_GBs']:.1f} useful)"
+                    if r["section"] == "logits"
+                    else f"{r['TFLOPs']:6.2f} TFLOP/s ({r['useful_TFLOPs']:.2f} useful)"
+                )
+                + (f"  packed x{speed:.2f}" if r["layout"] == "packed" and speed else "")
+            )
+        rows += case_rows
+        del b
+        gc.collect()
+
+
 def main(argv=None):
     args, device = common.parse_bench_args(build_parser(), argv)
     cuda = device.type == "cuda"
@@ -573,37 +626,8 @@ def main(argv=None):
     n_methods = 2 * len([f for f in args.families if f != "fused-linear" or args.fused_linear_ok])
     bar = common.progress(len(dtypes) * n_methods, "bench_packed", disable=args.no_progress)
     rows, cases = [], []
-    for dtype in dtypes:
-        args.dtype_name = dtype
-        mems = None
-        if not cuda and args.memory == "child":
-            mems = common.case_memory(bar, dtype, __file__, child_argv(args, dtype))
-        dt = common.DTYPES[dtype]
-        b = make_batch(args.S, args.T, args.V, dt, device, args.seed, args.group_size)
-        cases.append(
-            {"S": b["S"], "T": b["T"], "V": b["V"], "N": b["N"], "dtype": dtype,
-             "pad_frac": b["pad_frac"], "lengths": b["lengths"].tolist()}
-        )  # fmt: skip
-        case_rows = run_case(b, args, device, mems, notes, bar)
-        for r in case_rows:
-            if r["oom"]:
-                bar.write(f"{dtype:5s} {r['method']:20s} out of memory")
-                continue
-            peak = "n/a" if r["peak_MB"] is None else f"{r['peak_MB']:8.1f} MB"
-            speed = r["speedup_packed_vs_padded"]
-            bar.write(
-                f"{dtype:5s} {r['method']:20s} {r['total_ms']:9.1f} ms "
-                f"[{r['total_ms_q20']:.1f}, {r['total_ms_q80']:.1f}]  peak {peak}  "
-                + (
-                    f"{r['GBs']:6.1f} GB/s ({r['useful_GBs']:.1f} useful)"
-                    if r["section"] == "logits"
-                    else f"{r['TFLOPs']:6.2f} TFLOP/s ({r['useful_TFLOPs']:.2f} useful)"
-                )
-                + (f"  packed x{speed:.2f}" if r["layout"] == "packed" and speed else "")
-            )
-        rows += case_rows
-        del b
-        gc.collect()
+    with common.keep_rows_on_interrupt(notes, rows):
+        measure_cases(dtypes, args, device, bar, notes, rows, cases)
     bar.close()
 
     mem_methods = sorted({r["memory_method"] for r in rows if r.get("memory_method")})
@@ -617,7 +641,8 @@ def main(argv=None):
         "group_size": args.group_size,
         "seed": args.seed,
         "lengths": "uniform in [1, T], stratified (one draw per slice of [1, T]), longest = T",
-        "timing": "triton.testing.do_bench (ms)"
+        "timing": "_common.cuda_calls: do_bench's method (L2 flushed, CUDA events), warmup "
+        f"{args.warmup} ms, rep {args.rep} ms, at least {common.MIN_CUDA_CALLS} timed calls"
         if cuda
         else f"perf_counter, warmup {args.warmup}, rep {args.rep}",
         "memory": args.memory,
@@ -643,7 +668,7 @@ def main(argv=None):
         ),
         [
             common.TOTAL_MS_PANEL,
-            ("peak_MB", "peak memory above inputs (MB)"),
+            ("peak_MB", "peak memory above inputs (MiB)"),
             ("useful_GBs", "useful GB/s (2 N V itemsize / time)"),
         ],
         "packed vs padded, GRPO policy loss fwd+bwd",

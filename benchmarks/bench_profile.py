@@ -37,7 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fused_linear  # noqa: E402
 import bench_policy_loss  # noqa: E402
 import torch  # noqa: E402
-from _common import DTYPES, _pyplot, _save_figure, add_out_arg, device_info, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    _pyplot,
+    _save_figure,
+    add_out_arg,
+    device_info,
+    keep_rows_on_interrupt,
+    write_results,
+)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 POLICY_METHODS = ("fastrl", "fastrl-two-kernel", "trl-eager", "liger")
@@ -194,6 +202,43 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_workloads(workloads, rows, notes, args, device, dtype, dtype_name, peak) -> None:
+    """Profile each workload's methods into `rows` as they are done (the fused-linear ones also
+    when the run is cut short: their floor comes from the gemm-floor method, profiled first)."""
+    cuda = device.type == "cuda"
+    if args.quick:
+        (B, T, V), (N, H, VL) = (2, 16, 512), (64, 32, 512)
+    elif cuda:
+        (B, T, V), (N, H, VL) = (64, 128, 151936), (8192, 4096, 151936)
+    else:
+        (B, T, V), (N, H, VL) = (8, 128, 32000), (1024, 512, 32000)
+    if "policy-loss" in workloads:
+        steps = policy_steps(B, T, V, dtype, device, args.no_liger, notes)
+        shape = dict(N=B * T, V=V, dtype=dtype_name)
+        bytes_floor = 2 * B * T * V * dtype.itemsize  # read the logits once, write dL/dz once
+        floor = round(bytes_floor / (peak * 1e9) * 1e3, 4) if peak else None
+        for name, step in steps.items():
+            kernels = profile_step(step, device, args.warmup, args.calls)
+            rows += rows_of("policy-loss", name, shape, kernels, args.top, floor)
+            print(f"policy-loss {name}: {rows[-1]['step_ms']:.3f} ms a step", flush=True)
+        del steps
+        gc.collect()
+    if "fused-linear" in workloads:
+        steps = linear_steps(N, H, VL, dtype, device, args.no_liger, notes)
+        shape = dict(N=N, H=H, V=VL, dtype=dtype_name)
+        results = {}
+        try:
+            for name, step in steps.items():
+                results[name] = profile_step(step, device, args.warmup, args.calls)
+                print(f"fused-linear {name}: {sum(k['ms'] for k in results[name]):.3f} ms a step",
+                      flush=True)  # fmt: skip
+        finally:  # also when cut short: the methods profiled so far
+            floor_kernels = results.get(bench_fused_linear.FLOOR)
+            floor = round(sum(k["ms"] for k in floor_kernels), 4) if floor_kernels else None
+            for name, kernels in results.items():
+                rows += rows_of("fused-linear", name, shape, kernels, args.top, floor)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -221,46 +266,20 @@ def main(argv: list[str] | None = None) -> dict:
     bad = set(workloads) - {"policy-loss", "fused-linear"}
     if bad:
         p.error(f"--workloads: unknown {sorted(bad)}; expected policy-loss, fused-linear")
-    if args.quick:
-        (B, T, V), (N, H, VL) = (2, 16, 512), (64, 32, 512)
-    elif cuda:
-        (B, T, V), (N, H, VL) = (64, 128, 151936), (8192, 4096, 151936)
-    else:
-        (B, T, V), (N, H, VL) = (8, 128, 32000), (1024, 512, 32000)
     meta = device_info(device)
     notes: dict = {}
     rows: list[dict] = []
     peak = meta["peak_bandwidth_GBs"] if cuda else None
-    if "policy-loss" in workloads:
-        steps = policy_steps(B, T, V, dtype, device, args.no_liger, notes)
-        shape = dict(N=B * T, V=V, dtype=dtype_name)
-        bytes_floor = 2 * B * T * V * dtype.itemsize  # read the logits once, write dL/dz once
-        floor = round(bytes_floor / (peak * 1e9) * 1e3, 4) if peak else None
-        for name, step in steps.items():
-            kernels = profile_step(step, device, args.warmup, args.calls)
-            rows += rows_of("policy-loss", name, shape, kernels, args.top, floor)
-            print(f"policy-loss {name}: {rows[-1]['step_ms']:.3f} ms a step", flush=True)
-        del steps
-        gc.collect()
-    if "fused-linear" in workloads:
-        steps = linear_steps(N, H, VL, dtype, device, args.no_liger, notes)
-        shape = dict(N=N, H=H, V=VL, dtype=dtype_name)
-        results = {}
-        for name, step in steps.items():
-            results[name] = profile_step(step, device, args.warmup, args.calls)
-            print(f"fused-linear {name}: {sum(k['ms'] for k in results[name]):.3f} ms a step",
-                  flush=True)  # fmt: skip
-        floor_kernels = results.get(bench_fused_linear.FLOOR)
-        floor = round(sum(k["ms"] for k in floor_kernels), 4) if floor_kernels else None
-        for name, kernels in results.items():
-            rows += rows_of("fused-linear", name, shape, kernels, args.top, floor)
+    with keep_rows_on_interrupt(notes, rows):  # a stage timeout keeps the methods profiled
+        profile_workloads(workloads, rows, notes, args, device, dtype, dtype_name, peak)
     meta.update(warmup=args.warmup, calls=args.calls, notes=notes,
                 floor="policy-loss: 2 N V itemsize bytes at the peak bandwidth (CUDA only); "
                 "fused-linear: the gemm-floor method's profiled time")  # fmt: skip
     name = f"bench_profile_{device.type}"
     paths = write_results(name, rows, meta, Path(args.out))
     title = f"where the time goes: {meta['device_name']} ({dtype_name})"
-    paths["png"] = plot(rows, Path(args.out) / f"{name}.png", title)
+    if rows:
+        paths["png"] = plot(rows, Path(args.out) / f"{name}.png", title)
     md = Path(args.out) / f"{name}.md"
     md.write_text(markdown(rows, meta))
     paths["md"] = str(md)

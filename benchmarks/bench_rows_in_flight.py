@@ -40,7 +40,8 @@ SCRIPT = Path(__file__).resolve().parent / "bench_policy_loss.py"
 CUDA_SHAPES = "128x128x151936,64x128x262144"
 QUICK_SHAPES = "2x16x512"
 DEFAULT_ROWS = "auto,0,66,132,264"
-KEEP = ("N", "V", "dtype", "total_ms", "total_ms_q20", "total_ms_q80", "GBs", "pct_bw", "peak_MB")
+KEEP = ("N", "V", "dtype", "total_ms", "total_ms_q20", "total_ms_q80", "n_samples", "GBs", "pct_bw")
+KEEP += ("peak_MB",)
 
 
 def child_rows(method: str, rows_in_flight: str | None, args, device: str, tmp: Path) -> list:
@@ -123,8 +124,9 @@ def main(argv=None) -> None:
     dev = device.type
     runs = [("fastrl", p) for p in rows_list] + ([("fastrl-two-kernel", "auto")] if cuda else [])
     bar = common.progress(len(runs), "bench_rows_in_flight", disable=args.no_progress)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    rows, notes = [], {}
+    # a stage timeout keeps the rows of the child runs done
+    with common.keep_rows_on_interrupt(notes, rows), tempfile.TemporaryDirectory() as tmp:
         for method, p in runs:
             for r in child_rows(method, None if p == "auto" else p, args, dev, Path(tmp)):
                 grid = programs(p, r["N"]) if method == "fastrl" else None
@@ -148,6 +150,7 @@ def main(argv=None) -> None:
         "dtype": args.dtype,
         "vs_two_kernel": "total_ms / the fastrl-two-kernel row's (FASTRL_ONE_PASS=0) at the same "
         "shape and dtype (CUDA only)",
+        "notes": notes,
     }
     for r in rows:  # the bar label of the plot
         r["label"] = r["method"] if r["method"] != "fastrl" else f"fastrl P={r['rows_in_flight']}"

@@ -39,6 +39,7 @@ from _common import (  # noqa: E402
     busy_processes,
     cpu_rates,
     device_info,
+    keep_rows_on_interrupt,
     measure_peaks,
     save_bars,
     time_rows,
@@ -117,8 +118,12 @@ def main() -> None:
     peaks, memory_method = measure_peaks(methods(x, args.device), args.device, __file__, child)
     calls = methods(x, args.device)  # timed with a fresh generator
     reps = dict.fromkeys(calls, args.rep or (100 if cuda else 5))
-    with busy_processes(args.busy):
-        rows = time_rows(calls, reps, args.device, peaks, N=args.N, V=args.V, dtype=args.dtype)
+    rows: list[dict] = []
+    notes: dict = {}
+    with keep_rows_on_interrupt(notes, rows), busy_processes(args.busy):  # a stage timeout
+        time_rows(calls, reps, args.device, peaks, rows, N=args.N, V=args.V, dtype=args.dtype)
+    if not rows:
+        raise SystemExit("interrupted before the first row was timed")
     base = rows[0]["median_ms"]
     meta = device_info(args.device)
     rates = {} if cuda else cpu_rates()
@@ -136,6 +141,7 @@ def main() -> None:
         memory_method=memory_method,
         read_once_GB=read_gb,
         machine_rates=rates or None,
+        notes=notes,
     )
     paths = save_bars(
         f"bench_sample_{torch.device(args.device).type}"

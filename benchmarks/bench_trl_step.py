@@ -237,8 +237,9 @@ def main(argv=None):
     import fastrl.integrations.trl as fastrl_trl
 
     info = common.device_info(device)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    rows, notes = [], {}
+    # a stage timeout keeps the trainer already timed
+    with common.keep_rows_on_interrupt(notes, rows), tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_model(Path(tmp) / "tiny-qwen2", args.hidden, args.layers)
         for name, cls in [(BASELINE, trl.GRPOTrainer), (FASTRL, fastrl_trl.GRPOTrainer)]:
             print(f"{name}: {args.warmup_steps} + {args.steps} steps ...", file=sys.stderr)
@@ -266,6 +267,8 @@ def main(argv=None):
                 f"rest {tr['median']:9.1f} ms",
                 file=sys.stderr,
             )
+    if not rows:
+        raise SystemExit("interrupted before the first trainer was timed")
     base = rows[0]
     for r in rows:
         r["speedup_step_vs_trl"] = base["step_ms"] / r["step_ms"]
@@ -299,7 +302,7 @@ def main(argv=None):
         else "not measured on CPU",
         "threads": torch.get_num_threads(),
         "env": common.run_env(),
-        "notes": {},
+        "notes": notes,
     }
     paths = common.save_results(
         f"bench_trl_step_{device.type}",

@@ -39,13 +39,13 @@ imported torch and fastrl once, so each method starts from the same state.
 Reported per row:
   total_ms       forward + backward: median of the per-call max over ranks, q20 / q80
                  (total_ms_q20 / _q80); rank_ms: each rank's own median
-  peak_MB        peak memory of one forward + backward above its inputs, the max over ranks
+  peak_MB        peak memory (MiB) of one forward + backward above its inputs, the max over ranks
                  (rank_peak_MB: each rank's). CPU: the process's resident-set high-water mark
                  (see benchmarks/_common.py), measured after the timing with mallopt
                  M_MMAP_THRESHOLD = 64 KiB and malloc_trim in that process (what
                  MALLOC_MMAP_THRESHOLD_=65536 does at start-up: freed tensors leave the resident
                  set at once); CUDA: max_memory_allocated delta
-  comm_MB        bytes communicated per call, from fastrl.vocab_parallel's docstring: the
+  comm_MB        MiB communicated per call, from fastrl.vocab_parallel's docstring: the
                  all-gather of 3 fp32 per counted row per rank (12 * N * P bytes; per chunk of
                  rows for a token-separable config, once for all rows otherwise), the all-reduce
                  of d hidden (N * H * itemsize) and the plan's all-gather of 8 int64 per rank
@@ -326,9 +326,13 @@ def run_job(job: dict, tmp: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- rows
+NUMERICS = ("loss_rel_diff_vs_unsharded", "grad_hidden_rel_diff", "grad_weight_rel_diff")
+
+
 def _stats(per_rank: list[list[float]]) -> dict:
-    """Median / q20 / q80 of the per-call max over ranks."""
-    return common.quantiles([max(ts) for ts in zip(*per_rank)])
+    """Median / q20 / q80 of the per-call max over ranks, and n_samples (calls)."""
+    calls = [max(ts) for ts in zip(*per_rank)]
+    return {**common.quantiles(calls), "n_samples": len(calls)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -366,6 +370,7 @@ def make_rows(job: dict, results: list[dict], args, tmp: str) -> list[dict]:
             "total_ms": t["median"],
             "total_ms_q20": t["q20"],
             "total_ms_q80": t["q80"],
+            "n_samples": t["n_samples"],
             "rank_ms": [statistics.median(r[op]["times"]) for r in results],
             "peak_MB": None if None in mems else max(m["bytes"] for m in mems) / 2**20,
             "rank_peak_MB": None if None in mems else [m["bytes"] / 2**20 for m in mems],
@@ -617,20 +622,26 @@ def main(argv=None):
         torch.save(make_inputs(args, device), os.path.join(tmp, "inputs.pt"))
         if cuda:
             torch.cuda.empty_cache()  # the GPU to the worker processes
-        for job in jobs:
-            what = f"P={job['P']}" if job["P"] > 1 else "unsharded"
-            bar.set_postfix_str(f"{what}, {job['threads']} thread(s)")
-            job_rows = make_rows(job, run_job(job, tmp), args, tmp)
-            rows += job_rows
-            for r in job_rows:
-                bar.write(
-                    f"{r['op']:12s} {r['label']:34s} {r['total_ms']:9.2f} ms "
-                    f"[{r['total_ms_q20']:.2f}, {r['total_ms_q80']:.2f}]  peak "
-                    + ("n/a" if r["peak_MB"] is None else f"{r['peak_MB']:.1f} MB")
-                    + (f"  comm {r['comm_ms']:.2f} ms" if "comm_ms" in r else "")
-                )
-            bar.update()
-        check_numerics(rows, jobs, tmp)
+        with common.keep_rows_on_interrupt(notes, rows):  # a stage timeout: keep the jobs done
+            for job in jobs:
+                what = f"P={job['P']}" if job["P"] > 1 else "unsharded"
+                bar.set_postfix_str(f"{what}, {job['threads']} thread(s)")
+                job_rows = make_rows(job, run_job(job, tmp), args, tmp)
+                rows += job_rows
+                for r in job_rows:
+                    bar.write(
+                        f"{r['op']:12s} {r['label']:34s} {r['total_ms']:9.2f} ms "
+                        f"[{r['total_ms_q20']:.2f}, {r['total_ms_q80']:.2f}]  peak "
+                        + ("n/a" if r["peak_MB"] is None else f"{r['peak_MB']:.1f} MiB")
+                        + (f"  comm {r['comm_ms']:.2f} ms" if "comm_ms" in r else "")
+                    )
+                bar.update()
+        if "interrupted" in notes:  # the numerics need every job's files: not checked
+            for r in rows:
+                if r["method"] == "vocab-parallel":
+                    r.update(dict.fromkeys(NUMERICS))
+        else:
+            check_numerics(rows, jobs, tmp)
     bar.close()
     add_ratios(rows, cuda)
     for r in rows:
@@ -639,9 +650,8 @@ def main(argv=None):
                 f"{r['op']:12s} P={r['P']}: x{_fmt(r['speedup_vs_unsharded'])} vs unsharded at "
                 f"{r['threads']} thread(s), x{_fmt(r['speedup_vs_unsharded_all_threads'])} vs "
                 f"unsharded at {r['total_threads']}; memory per rank "
-                f"x{_fmt(r['memory_vs_unsharded'])}; {r['comm_MB']:.2f} MB communicated; "
-                f"loss rel diff {r['loss_rel_diff_vs_unsharded']:.1e}, grads "
-                f"{r['grad_hidden_rel_diff']:.1e} / {r['grad_weight_rel_diff']:.1e}",
+                f"x{_fmt(r['memory_vs_unsharded'])}; {r['comm_MB']:.2f} MiB communicated; "
+                "loss rel diff / grads: " + " / ".join(_fmt(r[k], ".1e") for k in NUMERICS),
                 file=sys.stderr,
             )
 
@@ -681,7 +691,7 @@ def main(argv=None):
                 "fwd+bwd ms (median of max over ranks, q20-q80)",
                 ("total_ms_q20", "total_ms_q80"),
             ),
-            ("peak_MB", "peak memory per process (MB)"),
+            ("peak_MB", "peak memory per process (MiB)"),
             ("comm_ms", "the collectives alone (ms)"),
         ],
         "vocab-parallel LM head vs unsharded",
@@ -691,8 +701,8 @@ def main(argv=None):
     return rows
 
 
-def _fmt(v) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+def _fmt(v, spec: str = ".2f") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}"
 
 
 if __name__ == "__main__":
