@@ -28,16 +28,83 @@ def _fmt(x, digits=1):
     return "" if x is None else f"{x:.{digits}f}"
 
 
+# the baselines' packages a results file's meta records (device_info's `packages`), as shown
+BASELINE_PACKAGES = ("trl", "liger-kernel", "verl", "transformers")
+
+
+def _versions(meta: dict) -> str:
+    """ ", trl 1.16.0, liger-kernel 0.8.5, ..." of the baselines the file's meta records (the
+    installed ones), or a note that a file written before they were recorded has none."""
+    packages = meta.get("packages")
+    if not isinstance(packages, dict):
+        return ", baseline versions not recorded"
+    return "".join(f", {k} {packages[k]}" for k in BASELINE_PACKAGES if packages.get(k))
+
+
 def _machine(meta: dict) -> str:
     commit = str(meta.get("git_commit", "?"))[:7]
+    note = f" ({meta['peak_bandwidth_note']})" if meta.get("peak_bandwidth_note") else ""
     return (
-        f"{meta.get('device_name', meta.get('device'))} ({meta.get('device')}), torch "
-        f"{meta.get('torch')}, triton {meta.get('triton')}, commit {commit}, {meta.get('time_utc')}"
+        f"{meta.get('device_name', meta.get('device'))} ({meta.get('device')}){note}, torch "
+        f"{meta.get('torch')}, triton {meta.get('triton')}{_versions(meta)}, commit {commit}, "
+        f"{meta.get('time_utc')}"
     )
 
 
+def _cuda(meta: dict) -> bool:
+    return str(meta.get("device", "")).startswith("cuda")
+
+
+def _label(method: str, meta: dict) -> str:
+    """The name a table shows for a results file's row key. The key `trl-eager` (and the rows
+    built on it: `matmul+trl-eager`, `trl-eager-compiled`, `trl-eager-padded`) runs TRL's logits
+    helpers, selective_log_softmax + entropy_from_logits: eager torch loops on the CPU, but on
+    CUDA each dispatches to TRL's own Triton kernel, so a CUDA file's rows show `trl-triton`."""
+    return method.replace("trl-eager", "trl-triton") if _cuda(meta) else method
+
+
+def _trl_rows(meta: dict) -> str:
+    """What the trl-eager rows of a file ran, on its device (an intro's sentence)."""
+    if _cuda(meta):
+        return (
+            "`trl-triton` (results key `trl-eager`) is TRL 1.16's logits helpers "
+            "`selective_log_softmax` + `entropy_from_logits` (under no_grad) + TRL's per-token "
+            "GRPO math; on CUDA each helper dispatches to TRL's own Triton kernel "
+            "(`_fused_logprob_entropy`), one launch for the log-probs and one for the entropy"
+        )
+    return (
+        "`trl-eager` is TRL 1.16's logits helpers `selective_log_softmax` + "
+        "`entropy_from_logits` (under no_grad) + TRL's per-token GRPO math; on the CPU both run "
+        "their eager torch loops (per-sequence logsumexp / log_softmax, 128-row entropy chunks)"
+    )
+
+
+TRL_TRAINER = (
+    "TRL 1.16's GRPOTrainer itself runs neither on logits: it patches the model with its fused, "
+    "chunked LM head (`add_fused_lm_head` -> `ChunkedLogProbFunction`), the `trl-chunked` row "
+    "of the fused-linear table"
+)
+
+
+def _one_sample(r: dict, key: str) -> str | None:
+    """Why a timing has no spread to show: "one sample" when the row records n_samples = 1,
+    "no spread recorded" when a file without n_samples has q20 = q80 = median (do_bench timed
+    a single call of a row slower than its rep), else None."""
+    n = r.get("n_samples") if key in ("total_ms", "median_ms") else None
+    lo, hi = r.get(key + "_q20", r.get("q20_ms")), r.get(key + "_q80", r.get("q80_ms"))
+    if n == 1:
+        return "one sample"
+    if n is None and lo is not None and lo == hi == r.get(key):
+        return "no spread recorded"
+    return None
+
+
 def _ms(r: dict, key: str = "total_ms", sep: str = "-") -> str:
-    """r[key] and its q20 / q80 (r[key + "_q20"], ...): "12.3 (12.0-12.9)"."""
+    """r[key] and its q20 / q80 (r[key + "_q20"], ...): "12.3 (12.0-12.9)"; "65.6 (one
+    sample)" where there is no spread to show (_one_sample)."""
+    why = _one_sample(r, key)
+    if why:
+        return f"{_fmt(r[key])} ({why})"
     return f"{_fmt(r[key])} ({_fmt(r.get(key + '_q20'))}{sep}{_fmt(r.get(key + '_q80'))})"
 
 
@@ -69,18 +136,28 @@ def _policy_loss(data: dict) -> list[str]:
             f"{rates['exp_per_s'] / 1e9:.2f} G/s ({rates.get('rates_threads')} threads); the "
             "exp floor is one exp per logit, N * V / exp rate."
         )
+    base = _label("trl-eager", meta)
+    verl = ""
+    if any(r["method"] == "verl-eager" for r in rows):
+        verl = (  # rows with n_samples: recorded since verl's own functions are called
+            " `verl-eager` is verl's `logprobs_from_logits`, then verl's own "
+            "`compute_policy_loss_vanilla`, `kl_penalty` and `agg_loss`."
+            if any("n_samples" in r for r in rows)
+            else " `verl-eager` is verl's `logprobs_from_logits`, then its policy-loss math "
+            "re-implemented from verl's functions (recorded before the benchmark called them)."
+        )
     intro = (
         _busy_lead(meta) + "**Policy loss on logits, forward + backward** (GRPO: clip 0.2 / 0.2, "
-        "k3 KL with beta 0.04, seq-mean-token-mean). Speed-ups and memory ratios are against "
-        "`trl-eager`, what TRL's GRPOTrainer runs on logits (`selective_log_softmax` + the "
-        "entropy metric + its per-token math); `reference (oracle)` is fastrl's readable "
-        f"oracle, shown for context only. {_machine(meta)}.{measured}"
+        f"k3 KL with beta 0.04, seq-mean-token-mean). Speed-ups and memory ratios are against "
+        f"`{base}`: {_trl_rows(meta)}. {TRL_TRAINER}.{verl} `reference (oracle)` is fastrl's "
+        f"readable oracle, shown for context only. Peak memory in MiB. {_machine(meta)}."
+        f"{measured}"
     )
-    columns = ["method", "shape", "dtype", "median ms (q20-q80)", "vs trl-eager", "peak MB"]
-    columns += ["memory vs trl-eager", "exp-floor ratio"]
+    columns = ["method", "shape", "dtype", "median ms (q20-q80)", f"vs {base}", "peak MiB"]
+    columns += [f"memory vs {base}", "exp-floor ratio"]
     cells = [
         [
-            r["method"],
+            _label(r["method"], meta),
             f"N={r['N']} (B={r['B']}, T={r['T']}), V={r['V']}",
             r["dtype"],
             _ms(r),
@@ -127,22 +204,25 @@ def _policy_summary(name: str, data: dict) -> list[str]:
             m["trl"].append(r["speedup_vs_trl_eager"])
             m["best"].append(best["total_ms"] / r["total_ms"])
             if best["total_ms"] < r["total_ms"]:
-                behind.append(f"`{r['method']}` at N={N}, V={V} {dtype} (`{best['method']}`)")
+                behind.append(
+                    f"`{r['method']}` at N={N}, V={V} {dtype} (`{_label(best['method'], meta)}`)"
+                )
             if r.get("memory_vs_trl_eager") is not None:
                 m["mem"].append(r["memory_vs_trl_eager"])
     if not per_method:
         return []
     load = f"{busy} other process(es) keeping a core busy" if busy else "idle"
+    base = _label("trl-eager", meta)
     parts = []
     for method, m in per_method.items():
         text = (
-            f"`{method}` {_span(m['trl'])} over `trl-eager` and {_span(m['best'])} over the "
+            f"`{method}` {_span(m['trl'])} over `{base}` and {_span(m['best'])} over the "
             "fastest baseline"
         )
         if m["mem"]:
-            text += f", at {_span(m['mem'], '.2g')} of `trl-eager`'s peak memory"
+            text += f", at {_span(m['mem'], '.2g')} of `{base}`'s peak memory"
         parts.append(text)
-    names = ", ".join(f"`{n}`" for n in sorted(fastest))
+    names = ", ".join(f"`{_label(n, meta)}`" for n in sorted(fastest))
     slower = f" Slower than it: {', '.join(behind)}." if behind else ""
     return [
         f"- `{name}.json` ({meta.get('device_name', meta.get('device'))}, {load}, commit "
@@ -156,20 +236,27 @@ def _fused_linear(data: dict) -> list[str]:
     meta, rows = data["meta"], data["rows"]
     if "cases" not in meta:  # results written before the multi-shape benchmark
         return _fused_linear_legacy(data)
+    base = _label("matmul+trl-eager", meta)
     intro = (
         "**GRPO loss from hidden states and the LM-head weight, forward + backward** (gradients "
         "of both; LossConfig.grpo()). `gemm-floor` is the three bare GEMMs of the same shape "
-        "(h·Wᵀ, g·W, gᵀ·h, outputs preallocated); TFLOP/s counts 6·N·H·V for every row; memory "
-        "ratios are against `matmul+trl-eager` (materialised logits + TRL-style eager loss). "
-        f"{_machine(meta)}."
-    )
+        "(h·Wᵀ, g·W, gᵀ·h, outputs preallocated); TFLOP/s counts 6·N·H·V over the valid "
+        "positions (a 90 %-masked row's masked positions cost no GEMM: its rate is n/a where the "
+        f"file does not record its valid tokens); memory ratios are against `{base}` "
+        f"(materialised logits, then the policy-loss table's `{_label('trl-eager', meta)}`: "
+        f"{_trl_rows(meta).split(' is ', 1)[1]}). `trl-chunked` is what TRL 1.16's GRPOTrainer "
+        "runs: its fused LM head's `ChunkedLogProbFunction`"
+        + (" (chunk folds as TRL's Triton kernels on CUDA)" if _cuda(meta) else " (torch tiles "
+           "on the CPU)")
+        + f". Peak memory in MiB. {_machine(meta)}."
+    )  # fmt: skip
     columns = ["method", "N, H", "dtype", "median ms (q20-q80)", "x GEMM floor", "TFLOP/s"]
-    columns += ["peak MB", "memory vs matmul+trl-eager"]
+    columns += ["peak MiB", f"memory vs {base}"]
     cells = []
     for r in rows:
         if r.get("chunk_size"):  # the chunk-size sweep: its own table below
             continue
-        method = r["method"]
+        method = _label(r["method"], meta)
         if r.get("vs_unmasked") is not None:
             method += f", {_x(r['vs_unmasked'])} unmasked"
         floor = r.get("role") == "floor"
@@ -180,12 +267,38 @@ def _fused_linear(data: dict) -> list[str]:
                 r["dtype"],
                 _ms(r),
                 _x(r.get("x_gemm_floor")),
-                _fmt(r.get("TFLOPs"), 3),
+                _tflops(r),
                 "n/a (preallocated)" if floor else _fmt(r.get("peak_MB"), 0),
                 "" if floor else _x(r.get("memory_vs_matmul_trl_eager")),
             ]
         )
     return _table(intro, columns, cells, meta.get("notes")) + _chunk_sweep(rows, meta)
+
+
+def _tflops(r: dict) -> str:
+    """The row's TFLOP/s, from the FLOPs of its valid positions: as recorded where the row holds
+    `valid_tokens` (flops = 6 * valid_tokens * H * V), "n/a (masked)" for a masked row of a file
+    that charged it all N positions (rates above the hardware's peak)."""
+    if r.get("masked_frac") and "valid_tokens" not in r:
+        return "n/a (masked)"
+    return _fmt(r.get("TFLOPs"), 3)
+
+
+# timed calls per row the sweep table needs before it ranks a fastest
+MIN_SAMPLES_TO_RANK = 10
+
+
+def _fastest(group: list[dict]) -> dict | None:
+    """The row of `group` with the lowest median when it is faster beyond the spread: its q80
+    below every other row's q20, and every row with MIN_SAMPLES_TO_RANK timed calls or more
+    (rows without a recorded n_samples are not ranked); else None."""
+    best = min(group, key=lambda r: r["total_ms"])
+    if any((r.get("n_samples") or 0) < MIN_SAMPLES_TO_RANK for r in group):
+        return None
+    others = [r for r in group if r is not best]
+    if all(best["total_ms_q80"] < r["total_ms_q20"] for r in others):
+        return best
+    return None
 
 
 def _chunk_sweep(rows: list[dict], meta: dict | None = None) -> list[str]:
@@ -201,11 +314,13 @@ def _chunk_sweep(rows: list[dict], meta: dict | None = None) -> list[str]:
         groups.setdefault((r["N"], r["H"], r["V"], r["dtype"], base), []).append(r)
     intro = (
         "**Chunk-size sweep** (`--chunk-sizes`): the same rows with `chunk_size` = C rows per "
-        "chunk, against the library's default (`chunk_size=None`); the fastest of each method "
-        "and case is marked."
+        "chunk, against the library's default (`chunk_size=None`); of each method and case the "
+        "fastest is marked only where it is faster beyond the spread (its q80 below every other "
+        f"row's q20) and every row had at least {MIN_SAMPLES_TO_RANK} timed calls; otherwise "
+        "none is (the rows of a file that does not record its timed calls are not ranked)."
     )
     columns = ["method", "N, H, V", "dtype", "rows per chunk", "median ms (q20-q80)"]
-    columns += ["vs default", "x GEMM floor", "TFLOP/s", "peak MB", "fastest"]
+    columns += ["vs default", "x GEMM floor", "TFLOP/s", "peak MiB", "fastest"]
     defaults = {
         (c["N"], c["H"], c["V"], c["dtype"]): c.get("default_chunk")
         for c in (meta or {}).get("cases", [])
@@ -223,7 +338,7 @@ def _chunk_sweep(rows: list[dict], meta: dict | None = None) -> list[str]:
         )
         group = sorted(group, key=lambda r: r["chunk_size"])
         group = ([default] if default else []) + group
-        best = min(group, key=lambda r: r["total_ms"])
+        best = _fastest(group)
         for r in group:
             chunk = r.get("chunk_size")
             cells.append(
@@ -235,7 +350,7 @@ def _chunk_sweep(rows: list[dict], meta: dict | None = None) -> list[str]:
                     _ms(r),
                     _x(r.get("vs_default_chunk")) if chunk else "1.00x",
                     _x(r.get("x_gemm_floor")),
-                    _fmt(r.get("TFLOPs"), 3),
+                    _tflops(r),
                     _fmt(r.get("peak_MB"), 0),
                     "**fastest**" if r is best else "",
                 ]
@@ -307,7 +422,7 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
         [
             r["method"],
             ", ".join(f"{k}={r[k]}" for k in ("B", "T", "N", "V", "dtype") if k in r),
-            f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - {_fmt(r['q80_ms'])})",
+            _median(r),
             f"{_fmt(r.get(speed_key), 2)}x",
             *([f"{_fmt(r.get('GBs'))} ({_fmt(r.get('pct_bw'))} %)"] if traffic else []),
             _fmt(r.get("peak_MB"), 0),
@@ -318,7 +433,17 @@ def _generic(data: dict, title: str, speed_key: str) -> list[str]:
     columns += [f"GB/s ({_bandwidth(meta)})"] if traffic else []
     threads = f", {meta['torch_threads']} torch thread(s)" if meta.get("torch_threads") else ""
     intro = f"{_busy_lead(meta)}**{title}**; {_machine(meta)}{threads}"
-    return _table(intro, [*columns, "peak MB"], cells)
+    return _table(intro, [*columns, "peak MiB"], cells)
+
+
+def _median(r: dict) -> str:
+    """A gae / sampler row's "median (q20 - q80)" ms, or "median (one sample)" (_one_sample)."""
+    why = _one_sample(
+        {**r, "median_ms_q20": r["q20_ms"], "median_ms_q80": r["q80_ms"]}, "median_ms"
+    )
+    if why:
+        return f"{_fmt(r['median_ms'])} ({why})"
+    return f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - {_fmt(r['q80_ms'])})"
 
 
 def _kernel_configs(data: dict) -> list[str]:
@@ -359,30 +484,42 @@ def _bandwidth(meta: dict) -> str:
 
 
 def _packed(data: dict) -> list[str]:
-    """bench_packed: each method on the padded (S, T) and the packed (N,) layout."""
+    """bench_packed: each method on the padded (S, T) and the packed (N,) layout; one table per
+    dtype (a file holds fp32 and bf16 rows), H given for the fused-linear rows."""
     meta, rows = data["meta"], data["rows"]
-    r0 = rows[0]
-    intro = (
-        f"**Packed vs padded** ({r0['dtype']}, S = {r0['S']}, T = {r0['T']}, V = {r0['V']}, "
-        f"N = {r0['N']} tokens, {100 * r0['pad_frac']:.0f} % padding, fwd+bwd); "
-        f"{_machine(meta)}"
-    )
-    columns = ["method", "layout", "median ms (q20-q80)", "packed / padded time"]
-    columns += ["peak MB above inputs", "packed / padded memory"]
-    cells = []
-    for r in rows:
-        packed = r["layout"] == "packed"
-        cells.append(
-            [
-                r["family"],
-                r["layout"],
-                "OOM" if r.get("oom") else _ms(r),
-                _x(1 / r["speedup_packed_vs_padded"]) if packed else "",
-                _fmt(r.get("peak_MB"), 0),
-                _x(r["memory_packed_vs_padded"]) if packed else "",
-            ]
+    out: list[str] = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        of_dtype = [r for r in rows if r["dtype"] == dtype]
+        r0 = of_dtype[0]
+        H = next((r["H"] for r in of_dtype if r.get("H")), None)
+        intro = (
+            f"**Packed vs padded, {dtype}** (S = {r0['S']}, T = {r0['T']}, V = {r0['V']}"
+            + (f", H = {H} for fused-linear" if H else "")
+            + f", N = {r0['N']} tokens, {100 * r0['pad_frac']:.0f} % padding, fwd+bwd; "
+            f"`{_label('trl-eager', meta)}` as in the policy-loss table; peak memory in MiB); "
+            f"{_machine(meta)}"
         )
-    return _table(intro, columns, cells)
+        columns = ["method", "layout", "dtype", "H", "median ms (q20-q80)", "packed / padded time"]
+        columns += ["peak MiB above inputs", "packed / padded memory"]
+        cells = []
+        for r in of_dtype:
+            packed = r["layout"] == "packed"
+            cells.append(
+                [
+                    _label(r["family"], meta),
+                    r["layout"],
+                    r["dtype"],
+                    r.get("H") or "",
+                    "OOM" if r.get("oom") else _ms(r),
+                    _x(1 / r["speedup_packed_vs_padded"])
+                    if packed and r.get("speedup_packed_vs_padded")
+                    else "",
+                    _fmt(r.get("peak_MB"), 0),
+                    _x(r.get("memory_packed_vs_padded")) if packed else "",
+                ]
+            )
+        out += [*([""] if out else []), *_table(intro, columns, cells)]
+    return out
 
 
 def _vocab_parallel(data: dict) -> list[str]:
@@ -393,14 +530,14 @@ def _vocab_parallel(data: dict) -> list[str]:
         f"**Vocab-parallel LM head** (N = {shape['N']}, H = {shape['H']}, V = {shape['V']}, "
         f"{shape['dtype']}, fwd+bwd, {meta['backend']}); {_machine(meta)}"
     )
-    columns = ["op", "method", "median ms (q20-q80)", "peak MB per rank", "memory vs unsharded"]
-    columns += ["MB communicated", "max rel. diff vs unsharded (loss / d hidden / d weight)"]
+    columns = ["op", "method", "median ms (q20-q80)", "peak MiB per rank", "memory vs unsharded"]
+    columns += ["MiB communicated", "max rel. diff vs unsharded (loss / d hidden / d weight)"]
     cells = []
     for r in rows:
         sharded = r["method"] == "vocab-parallel"
+        keys = ("loss_rel_diff_vs_unsharded", "grad_hidden_rel_diff", "grad_weight_rel_diff")
         diffs = (
-            f"{r['loss_rel_diff_vs_unsharded']:.1e} / {r['grad_hidden_rel_diff']:.1e} / "
-            f"{r['grad_weight_rel_diff']:.1e}"
+            " / ".join("n/a" if r.get(k) is None else f"{r[k]:.1e}" for k in keys)
             if sharded
             else ""
         )
@@ -468,19 +605,30 @@ def _library(*keep: str) -> list[str]:
 
 _LIBRARY = _library()
 _TRAINER = ["fastrl", "kernels", ":(exclude)fastrl/integrations"]
+# The benchmarks' shared harness: _common.py times every row and measures its memory (time_fn,
+# cuda_calls, peak_memory, cpu_rates), _baselines.py is the code of the TRL / verl baselines. A
+# change to either marks every table measured through it stale. The rule is by file, so an edit
+# to _common's reporting helpers alone (plots, options, results files) marks those tables too:
+# the conservative side (a stale mark asks for a rerun, it never hides one); the trainers'
+# files (train_summary, learning*) take only device_info / progress from _common, not its
+# timing, and are not marked by it.
+_HARNESS = ["benchmarks/_common.py"]
+_WITH_BASELINES = [*_HARNESS, "benchmarks/_baselines.py"]
 MEASURES = {
-    "bench_policy_loss": [*_LIBRARY, "benchmarks/bench_policy_loss.py"],
-    "bench_fused_linear": [*_LIBRARY, "benchmarks/bench_fused_linear.py"],
+    "bench_policy_loss": [*_LIBRARY, "benchmarks/bench_policy_loss.py", *_WITH_BASELINES],
+    "bench_fused_linear": [*_LIBRARY, "benchmarks/bench_fused_linear.py", *_WITH_BASELINES],
     # (the input checks, the CPU thread pool and the backend choice are shared with the losses)
     "bench_gae": [
         *(f"fastrl/{m}.py" for m in ("_inputs", "config", "chunked", "ops", "advantages", "gae")),
         "kernels/gae.py",
         "benchmarks/bench_gae.py",
+        *_HARNESS,
     ],
     "bench_sample": [
         *(f"fastrl/{m}.py" for m in ("_inputs", "config", "ops", "sampling")),
         ":(glob)kernels/s*.py",
         "benchmarks/bench_sample.py",
+        *_HARNESS,
     ],
     # the trainer: the whole library but the TRL / verl drop-ins, which it never imports
     # (tests/test_structure.py checks that)
@@ -490,9 +638,13 @@ MEASURES = {
     "learning_vs_trl": _TRAINER,
     "learning": [*_TRAINER, "benchmarks/bench_learning.py"],
     # (its inputs' advantages come from group_advantages)
-    "bench_packed": [*_library("fastrl/advantages.py"), "benchmarks/bench_packed.py"],
-    "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py"],
-    "bench_kernel_configs": [*_LIBRARY, "benchmarks/bench_kernel_configs.py"],
+    "bench_packed": [
+        *_library("fastrl/advantages.py"),
+        "benchmarks/bench_packed.py",
+        *_WITH_BASELINES,
+    ],
+    "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py", *_HARNESS],
+    "bench_kernel_configs": [*_LIBRARY, "benchmarks/bench_kernel_configs.py", *_HARNESS],
 }
 
 
