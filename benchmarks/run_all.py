@@ -57,14 +57,24 @@ results files (fastrl vs trl-eager for the policy loss, x GEMM floor for the fus
 packed vs padded time and peak memory, vocab-parallel vs unsharded time and peak memory per
 rank, speed-ups for gae, the sampler and the TRL step; % of the HBM roofline where the results
 carry it, i.e. the policy loss on CUDA) and which baselines ran or were skipped and why. Nothing
-in the summary is computed here beyond reading those files. Exit status 0 when no stage failed.
+in the summary is computed here beyond reading those files. Exit status 0 when no stage failed
+(128 + the signal's number when a SIGTERM / SIGINT stopped the run).
+
+The summary is written before the first stage and after each one, so a run killed from outside
+leaves one that --merge reads. A SIGTERM or SIGINT to run_all (an outer `timeout`, Ctrl-C) is
+forwarded to the running stage, which runs in its own session, as SIGINT: the benchmarks then
+write the rows they measured, pytest its junit XML; what has not ended SIGNAL_GRACE_S (3 s)
+later is killed, the summary written and the run stopped. --deadline SECONDS (the time the
+whole call may take) cuts each stage's timeout to fit, so run_all's own stage timeouts fire
+first; benchmarks/gpu_run.sh passes it.
 
 Baselines whose package is missing (importlib.util.find_spec) are skipped and reported: liger
 (liger_kernel: --no-liger to both loss benchmarks), verl (--no-verl to the policy loss); trl is
 the baseline of the policy-loss, fused-linear, packed and trl-step stages (and datasets of
-trl-step), so without it those stages are skipped. Installs nothing; needs no network. The full
-run's shapes and repetitions are chosen to fit in about 20 minutes on one H100 (an estimate: it
-has not run on a GPU yet); the stage timeouts total more (see --timeout).
+trl-step), so without it those stages are skipped. Installs nothing; needs no network. On a lent
+GPU machine the stages are split over calls of at most 600 s (README "On a lent GPU machine"
+names the calls, their stage timeouts and the stage times recorded in their summaries); the
+default stage timeouts (see --timeout) total more than one call.
 """
 
 from __future__ import annotations
@@ -115,6 +125,7 @@ STAGES = (
     "readme",
 )
 GRACE_S = 15  # seconds a stage past its timeout gets to end after SIGINT, before SIGKILL
+DEADLINE_MARGIN_S = 5  # --deadline: seconds kept after a stage's end for the summary
 # seconds: (full run on CUDA, --quick on CPU)
 TIMEOUTS = {
     "pytest-gpu": (420, 300),
@@ -307,6 +318,50 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+SIGNAL_GRACE_S = 3  # seconds a stage gets after a forwarded TERM / INT (timeout -k 5 kills at 5)
+# the stage process running now, and the TERM / INT run_all received (main's handler fills it)
+_RUNNING: dict = {"proc": None, "signal": None, "at": None}
+
+
+def _forward_signal(signum, frame) -> None:
+    """run_all's SIGTERM / SIGINT handler: the stages run in their own sessions (a stage timeout
+    ends the whole group), so a signal to run_all's group (the outer `timeout` of a device call,
+    Ctrl-C) never reaches them; forward it to the running stage as SIGINT, on which the
+    benchmarks write the rows they measured (keep_rows_on_interrupt) and pytest its junit XML.
+    main then records the stage as interrupted, writes the summary and stops."""
+    _RUNNING["signal"], _RUNNING["at"] = signum, time.monotonic()
+    proc = _RUNNING["proc"]
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except OSError:  # pragma: no cover - ended in between
+            pass
+
+
+def _say(text: str) -> None:
+    """A progress line on stderr; never fails (after a signal the pipe to `tee` may be gone)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _end(proc, grace: float) -> None:
+    """SIGINT to the stage's process group, SIGKILL what is left after `grace` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+
+
 def run_stage(s: Stage, timeout: float, logs: Path) -> None:
     log = logs / f"{s.name}.log"
     if s.name == "pytest-gpu":
@@ -330,21 +385,38 @@ def run_stage(s: Stage, timeout: float, logs: Path) -> None:
                 # then never see the timeout's SIGINT
                 preexec_fn=_default_sigint,
             )
-            try:
-                s.rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                # SIGINT first: pytest then ends its session as on Ctrl-C and still writes its
-                # junit XML, so a GPU test run cut at its timeout keeps the counts it has; what
-                # has not exited after GRACE_S is killed
-                os.killpg(proc.pid, signal.SIGINT)
+            _RUNNING["proc"] = proc
+            if _RUNNING["signal"] is not None:  # a signal came while it started
+                _forward_signal(_RUNNING["signal"], None)
+            deadline = time.monotonic() + timeout
+            while True:
                 try:
-                    proc.wait(timeout=GRACE_S)
+                    s.rc = proc.wait(timeout=min(0.25, max(deadline - time.monotonic(), 0)))
+                    break
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    pass
+                if _RUNNING["signal"] is not None:
+                    # forwarded already (SIGINT): what has not ended after SIGNAL_GRACE_S is
+                    # killed, so that run_all still writes the summary before its own end
+                    if time.monotonic() >= _RUNNING["at"] + SIGNAL_GRACE_S:
+                        _end(proc, 0)
+                        s.rc = None
+                        break
+                elif time.monotonic() >= deadline:
+                    # SIGINT first: pytest then ends its session as on Ctrl-C and still writes
+                    # its junit XML, and a benchmark writes the rows it has timed, so a stage
+                    # cut at its timeout keeps what it measured; what has not exited after
+                    # GRACE_S is killed
+                    _end(proc, GRACE_S)
+                    s.rc = None
+                    s.detail = f"timed out after {timeout:g} s"
+                    break
+            if _RUNNING["signal"] is not None:
+                name = signal.Signals(_RUNNING["signal"]).name
                 s.rc = None
-                s.detail = f"timed out after {timeout:g} s"
+                s.detail = f"interrupted: run_all got {name}, forwarded to the stage as SIGINT"
         finally:
+            _RUNNING["proc"] = None
             if s.stdout_to:
                 out.close()
     s.seconds = time.perf_counter() - start
@@ -668,6 +740,11 @@ def markdown(summary: dict) -> str:
             if summary.get("merged_from")
             else []
         ),
+        *(
+            [f"Skipped (no summary.json): {', '.join(summary['merge_skipped'])}.", ""]
+            if summary.get("merge_skipped")
+            else []
+        ),
         "| stage | status | seconds | detail |",
         "|---|---|---|---|",
     ]
@@ -789,6 +866,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of the stages to run (default all): " + ",".join(STAGES),
     )
     p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the whole run's time (e.g. a device call's limit, less what ran before): each "
+        f"stage's timeout is cut so that it ends, its {GRACE_S} s SIGINT grace included, "
+        f"{DEADLINE_MARGIN_S} s before the deadline, and a stage with no time left is not "
+        "started, so the run's own stage timeouts (which keep the rows measured) fire before "
+        "an outer `timeout` kills it. Default: none. A SIGTERM / SIGINT to run_all is "
+        "forwarded to the running stage as SIGINT either way (the stage keeps its rows), then "
+        "the summary is written",
+    )
+    p.add_argument(
         "--merge",
         nargs="+",
         default=None,
@@ -818,12 +908,18 @@ def merge(args) -> int:
     out = Path(args.out).resolve()
     args.out = str(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    parts = []
+    parts, skipped = [], []
     for d in map(Path, args.merge):
         summary = load_json(d / "summary.json")
         if not isinstance(summary, dict) or "stages" not in summary:
-            raise SystemExit(f"--merge: {d} holds no summary.json of run_all")
+            # (run_all writes one before its first stage: a folder without one never ran it)
+            print(f"--merge: warning: {d} holds no summary.json of run_all; skipped",
+                  file=sys.stderr)  # fmt: skip
+            skipped.append(str(d))
+            continue
         parts.append((d.resolve(), summary))
+    if not parts:
+        raise SystemExit(f"--merge: none of {args.merge} holds a summary.json of run_all")
     stages: dict[str, dict] = {}
     merged = {"pytest_gpu": None, "compile_check": None}
     hidden: dict[str, str | None] = dict.fromkeys(BASELINES)
@@ -861,6 +957,7 @@ def merge(args) -> int:
         "started_utc": min(starts),
         "total_s": round(sum(summary["total_s"] for _, summary in parts), 1),
         "merged_from": [str(d) for d, _ in parts],
+        **({"merge_skipped": skipped} if skipped else {}),
         "stages": sorted(stages.values(), key=lambda st: STAGES.index(st["name"])),
         **merged,
         "headlines": headlines(out, cuda, since),
@@ -908,14 +1005,13 @@ def main(argv: list[str] | None = None) -> int:
     missing = available(skip)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t0, wall0 = time.perf_counter(), time.time()
-    print(
+    _say(
         f"run_all: {'quick (CPU)' if args.quick else 'full, CUDA' if cuda else 'full, no CUDA'}"
-        f" -> {out}",
-        file=sys.stderr,
+        f" -> {out}"
     )
     for name, why in missing.items():
         if why:
-            print(f"  {name}: {why}; skipping {BASELINES[name][1]}", file=sys.stderr)
+            _say(f"  {name}: {why}; skipping {BASELINES[name][1]}")
     stages = plan(args, cuda, missing)
     n = len(stages)
 
@@ -931,34 +1027,47 @@ def main(argv: list[str] | None = None) -> int:
     for s in stages:
         if s.cmd is not None:  # until it runs: skipped, for --merge and the summary
             s.detail = "not reached: the run stopped before this stage"
-    for i, s in enumerate(stages, 1):
-        tag = f"[{i}/{n}] {s.name:14s}"
-        if s.cmd is None:
-            print(f"{tag} skipped ({s.why_skipped})", file=sys.stderr, flush=True)
-            continue
-        if s.name == "readme":  # its blocks depend on what the run wrote
-            s.cmd = readme_cmd(args)
-        print(
-            f"{tag} running (timeout {timeouts[s.name]:g} s, log {logs / s.name}.log) ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        s.detail = ""
-        run_stage(s, timeouts[s.name], logs)
-        print(
-            f"{tag} {s.status} in {s.seconds:.1f} s{': ' + s.detail if s.detail else ''}"
-            f"  [{time.perf_counter() - t0:.0f} s elapsed]",
-            file=sys.stderr,
-            flush=True,
-        )
-        write_summary()
+    # a summary before the first stage: a call killed inside it still leaves one for --merge
+    write_summary()
+    _RUNNING.update(proc=None, signal=None, at=None)
+    handlers = {sig: signal.signal(sig, _forward_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for i, s in enumerate(stages, 1):
+            tag = f"[{i}/{n}] {s.name:14s}"
+            if _RUNNING["signal"] is not None:
+                break
+            if s.cmd is None:
+                _say(f"{tag} skipped ({s.why_skipped})")
+                continue
+            timeout = timeouts[s.name]
+            if args.deadline is not None:  # the run's own stage timeouts fire before its end
+                left = args.deadline - (time.perf_counter() - t0) - GRACE_S - DEADLINE_MARGIN_S
+                if left < 1:
+                    s.detail = f"not reached: --deadline {args.deadline:g} s left no time for it"
+                    _say(f"{tag} {s.detail}")
+                    continue
+                timeout = min(timeout, int(left * 10) / 10)  # (whole tenths: the log)
+            if s.name == "readme":  # its blocks depend on what the run wrote
+                s.cmd = readme_cmd(args)
+            _say(f"{tag} running (timeout {timeout:g} s, log {logs / s.name}.log) ...")
+            s.detail = ""
+            run_stage(s, timeout, logs)
+            _say(
+                f"{tag} {s.status} in {s.seconds:.1f} s{': ' + s.detail if s.detail else ''}"
+                f"  [{time.perf_counter() - t0:.0f} s elapsed]"
+            )
+            write_summary()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     summary = write_summary()
     failed = [s.name for s in stages if s.status == "failed"]
-    print(
+    _say(
         f"run_all: {len(failed)} failed stage(s){': ' + ', '.join(failed) if failed else ''}; "
-        f"{out / 'summary.md'} ({summary['total_s']:.0f} s)",
-        file=sys.stderr,
+        f"{out / 'summary.md'} ({summary['total_s']:.0f} s)"
     )
+    if _RUNNING["signal"] is not None:
+        return 128 + int(_RUNNING["signal"])
     return 1 if failed else 0
 
 
