@@ -210,7 +210,9 @@ def test_fused_linear_chunk_sweep_rows(quick_results):
     assert header in sweep
     lines = [ln for ln in sweep.splitlines() if ln.startswith("| fastrl-fused-linear |")]
     assert [ln.split(" | ")[3] for ln in lines] == [f"default ({default})", "8", "16"]
-    assert sum("**fastest**" in ln for ln in lines) == 1
+    # 2 timed calls a row (--quick): too few to rank, so no row is marked the fastest
+    assert all(r["n_samples"] == 2 for r in swept)
+    assert sum("**fastest**" in ln for ln in lines) == 0
     assert lines[0].split(" | ")[5] == "1.00x"
     assert sum(ln.startswith("| linear_logprobs+grpo |") for ln in sweep.splitlines()) == 3
 
@@ -255,23 +257,41 @@ def test_chunk_sweep_rows_pass_their_chunk_size(monkeypatch):
 
 
 def test_chunk_sweep_table_marks_the_fastest():
-    """The sweep table: per method and case the default row, then the sizes in order, the
-    fastest marked (here a swept size), and no table when the file has no swept rows."""
+    """The sweep table: per method and case the default row, then the sizes in order; the
+    fastest marked only when it is faster beyond the spread (its q80 below every other row's
+    q20) with at least MIN_SAMPLES_TO_RANK timed calls a row; and no table when the file has no
+    swept rows."""
     report = _report()
 
-    def row(method, ms, chunk=None, default_ms=None):
+    def row(method, ms, chunk=None, default_ms=None, spread=0.5, n=10):
         return {"method": method, "role": "fastrl", "N": 64, "H": 32, "V": 512, "dtype": "bf16",
-                "total_ms": ms, "total_ms_q20": ms, "total_ms_q80": ms, "TFLOPs": 1.0,
-                "x_gemm_floor": ms / 2, "peak_MB": 3.0, "chunk_size": chunk,
+                "total_ms": ms, "total_ms_q20": ms - spread, "total_ms_q80": ms + spread,
+                "n_samples": n, "TFLOPs": 1.0, "x_gemm_floor": ms / 2, "peak_MB": 3.0,
+                "chunk_size": chunk,
                 "vs_default_chunk": default_ms and ms / default_ms}  # fmt: skip
+
+    def marked(rows):
+        body = [ln for ln in report._chunk_sweep(rows) if ln.startswith("| fastrl-fused-linear |")]
+        return [ln.endswith("| **fastest** |") for ln in body], body
 
     rows = [row("fastrl-fused-linear", 10.0), row("fastrl-fused-linear[chunk=64]", 6.0, 64, 10.0),
             row("fastrl-fused-linear[chunk=8]", 8.0, 8, 10.0)]  # fmt: skip
-    lines = report._chunk_sweep(rows)
-    body = [ln for ln in lines if ln.startswith("| fastrl-fused-linear |")]
+    flags, body = marked(rows)
     assert [ln.split(" | ")[3] for ln in body] == ["default", "8", "64"]
-    assert [ln.endswith("| **fastest** |") for ln in body] == [False, False, True]
-    assert body[2].split(" | ")[4:7] == ["6.0 (6.0-6.0)", "0.60x", "3.00x"]
+    assert flags == [False, False, True]
+    assert body[2].split(" | ")[4:7] == ["6.0 (5.5-6.5)", "0.60x", "3.00x"]
+    # within the spread of another row: none is the fastest
+    wide = [dict(r, total_ms_q80=r["total_ms"] + 3.0) for r in rows]
+    assert marked(wide)[0] == [False, False, False]
+    # too few timed calls (do_bench's single call of a slow row), or none recorded: not ranked
+    assert marked([dict(r, n_samples=1) for r in rows])[0] == [False, False, False]
+    old = [{k: v for k, v in r.items() if k != "n_samples"} for r in rows]
+    assert marked(old)[0] == [False, False, False]
+    single = dict(rows[1], n_samples=None, total_ms_q20=6.0, total_ms_q80=6.0)
+    assert "| 6.0 (no spread recorded) |" in "\n".join(report._chunk_sweep([rows[0], single]))
+    assert "| 6.0 (one sample) |" in "\n".join(
+        report._chunk_sweep([rows[0], dict(single, n_samples=1)])
+    )
     assert report._chunk_sweep(rows[:1]) == []
     meta = {"cases": [{"N": 64, "H": 32, "V": 512, "dtype": "bf16", "default_chunk": 32}]}
     assert "| fastrl-fused-linear | 64, 32, 512 | bf16 | default (32) |" in "\n".join(
@@ -309,8 +329,8 @@ def test_report_rewrites_only_the_marked_blocks(quick_results, tmp_path):
     # the committed results (whatever their format) still render
     assert "(from `benchmarks/results/" in report.tables("bench")
     scale = report.tables("scale")
-    assert "| method | layout | median ms (q20-q80) | packed / padded time |" in scale
-    assert "| op | method | median ms (q20-q80) | peak MB per rank |" in scale
+    assert "| method | layout | dtype | H | median ms (q20-q80) | packed / padded time |" in scale
+    assert "| op | method | median ms (q20-q80) | peak MiB per rank |" in scale
 
 
 @pytest.mark.slow
@@ -564,3 +584,249 @@ def test_profile_bad_options(args, message):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_profile.py"), *args],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 2 and message in res.stderr, res.stderr[-500:]
+
+
+# ---------------------------------------------------------------------------- the audit's fixes
+def _common_mod():
+    load_bench("report.py")  # any script: puts _common in sys.modules
+    load_bench("bench_gae.py")
+    return sys.modules["_common"]
+
+
+class _FakeClock:
+    """cuda_calls' clock on the CPU: perf_counter "events"; flushes and event records are
+    appended to `log` in the order they happen."""
+
+    def __init__(self, log=None):
+        self.log = [] if log is None else log
+
+    def event(self):
+        import time
+
+        log = self.log
+
+        class Event:
+            def record(self):
+                log.append("record")
+                self.t = time.perf_counter()
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        return Event()
+
+    def flush(self):
+        self.log.append("flush")
+
+    def sync(self):
+        pass
+
+
+def test_cuda_timing_takes_enough_calls_flushes_and_prepares_outside():
+    """The CUDA timing (do_bench's method): at least MIN_CUDA_CALLS timed calls even when one
+    call takes longer than rep (do_bench took one, its q20 = q80 = median), the L2 flushed before
+    every timed call, and prepare() (the in-place rows' fresh buffer) outside the timed region."""
+    import time
+
+    common = _common_mod()
+    log: list[str] = []
+    clock = _FakeClock(log)
+
+    def fn(arg):
+        log.append(arg)
+        time.sleep(0.002)
+
+    times = common.cuda_calls(fn, 1.0, 1.0, clock, prepare=lambda: log.append("prepare") or "x")
+    assert len(times) == common.MIN_CUDA_CALLS == 10  # each call > rep = 1 ms
+    timed = "prepare flush record x record"  # prepare, then the flush, then the timed call
+    text = " ".join(log)
+    # the first call, one estimate call (it passes rep alone), one warm-up, ten timed calls
+    assert text == " ".join(["prepare x", timed, "prepare x", *[timed] * 10])
+    fast = common.cuda_calls(lambda: None, 0.1, 5.0, _FakeClock())
+    assert len(fast) >= 10
+    # time_fn on the CPU records its number of timed calls too
+    t = common.time_fn(lambda x: x, warmup=0, rep=3, prepare=lambda: 1)
+    assert t["n_samples"] == 3 and t["q20"] <= t["median"] <= t["q80"]
+
+
+def test_peak_bandwidth_needs_the_full_device_name():
+    """No roofline from a substring: the H100 PCIe (2.0 TB/s) and NVL (3.9 TB/s) and the A100
+    40GB (1.56 TB/s) are not the SXM parts; an unknown name gets none, with the reason."""
+    common = _common_mod()
+    assert common.peak_bandwidth("NVIDIA H200") == (4800.0, None)
+    assert common.peak_bandwidth("NVIDIA H100 80GB HBM3")[0] == 3350.0
+    assert common.peak_bandwidth("NVIDIA H100 PCIe")[0] == 2000.0
+    assert common.peak_bandwidth("NVIDIA H100 NVL")[0] == 3900.0
+    assert common.peak_bandwidth("NVIDIA A100-SXM4-40GB")[0] == 1555.0
+    peak, why = common.peak_bandwidth("NVIDIA H100 Experimental")
+    assert peak is None and "no % of roofline" in why
+    meta = {"device": "cuda", "device_name": "X", "peak_bandwidth_note": why}
+    assert why in _report()._machine(meta)
+
+
+def test_results_record_the_baselines_versions(quick_results):
+    """Every results file's meta holds the installed versions of the library and the baselines
+    (importlib.metadata), and the tables show those of the baselines."""
+    from importlib import metadata
+
+    meta = _load(quick_results / "bench_policy_loss_cpu.json")["meta"]
+    assert meta["packages"]["trl"] == metadata.version("trl")
+    assert meta["packages"]["torch"] == metadata.version("torch")
+    assert set(meta["packages"]) >= {"transformers", "liger-kernel", "verl", "fastrl"}
+    report = _report()
+    assert f"trl {metadata.version('trl')}" in report._machine(meta)
+    assert "baseline versions not recorded" in report._machine({"device": "cpu"})
+
+
+def test_masked_rows_are_charged_the_flops_of_their_valid_positions(quick_results):
+    """A 90 %-masked row does the GEMMs of its valid positions only: its flops (and TFLOP/s)
+    count those; a file that charged it all N positions shows "n/a (masked)" (its rates were
+    above the hardware's peak), not the number."""
+    data = _load(quick_results / "bench_fused_linear_cpu.json")
+    for r in data["rows"]:
+        B, T = r["B"], r["T"]
+        valid = B * max(1, T // 10) if r["masked_frac"] else r["N"]
+        assert r["valid_tokens"] == valid, r["method"]
+        assert r["flops"] == 6 * valid * r["H"] * r["V"]
+        assert r["TFLOPs"] == pytest.approx(r["flops"] / 1e12 / (r["total_ms"] / 1e3))
+    report = _report()
+    masked = next(r for r in data["rows"] if r["masked_frac"])
+    assert report._tflops(masked) == f"{masked['TFLOPs']:.3f}"
+    legacy = {k: v for k, v in masked.items() if k not in ("valid_tokens", "flops")}
+    assert report._tflops(dict(legacy, masked_frac=0.9)) == "n/a (masked)"
+
+
+def test_trl_rows_are_labelled_by_what_they_run_on_each_device():
+    """The `trl-eager` key runs TRL's logits helpers: eager torch loops on the CPU, TRL's Triton
+    kernel on CUDA; the tables name the CUDA rows `trl-triton` and say which TRL path its
+    GRPOTrainer takes (the fused LM head: `trl-chunked`)."""
+    report = _report()
+
+    def row(method, ms):
+        return {"method": method, "role": "baseline" if method == "trl-eager" else "fastrl",
+                "B": 2, "T": 4, "N": 8, "V": 16, "dtype": "bf16", "total_ms": ms,
+                "total_ms_q20": ms, "total_ms_q80": ms + 1, "n_samples": 10,
+                "speedup_vs_trl_eager": 2.0 / ms, "memory_vs_trl_eager": 1.0,
+                "peak_MB": 1.0}  # fmt: skip
+
+    rows = [row("fastrl", 1.0), row("trl-eager", 2.0), row("trl-eager-compiled", 3.0)]
+    cuda = "\n".join(report._policy_loss({"meta": {"device": "cuda", "cases": []}, "rows": rows}))
+    assert "| trl-triton | N=8" in cuda and "| trl-triton-compiled |" in cuda
+    assert "vs trl-triton" in cuda and "Triton kernel" in cuda and "trl-eager |" not in cuda
+    assert "`trl-chunked`" in cuda and "add_fused_lm_head" in cuda
+    cpu = "\n".join(report._policy_loss({"meta": {"device": "cpu", "cases": []}, "rows": rows}))
+    assert "| trl-eager | N=8" in cpu and "eager torch loops" in cpu and "trl-triton" not in cpu
+    (line,) = report._policy_summary("bench_policy_loss_cuda", {"meta": {"device": "cuda"},
+                                                                 "rows": rows})  # fmt: skip
+    assert "over `trl-triton`" in line
+
+
+def test_packed_table_per_dtype():
+    """bench_packed holds fp32 and bf16 rows: one table per dtype, titled with it, each row with
+    its dtype and (fused-linear) H."""
+    report = _report()
+
+    def row(family, layout, dtype, **kw):
+        return {"family": family, "method": f"{family}-{layout}", "layout": layout,
+                "dtype": dtype, "S": 4, "T": 8, "V": 32, "N": 20, "pad_frac": 0.4,
+                "total_ms": 1.0, "total_ms_q20": 0.9, "total_ms_q80": 1.1, "peak_MB": 2.0,
+                "speedup_packed_vs_padded": 2.0, "memory_packed_vs_padded": 0.5, **kw}  # fmt: skip
+
+    rows = [row("fastrl", "padded", "fp32"), row("fastrl", "packed", "fp32"),
+            row("fused-linear", "packed", "fp32", H=16),
+            row("fastrl", "padded", "bf16")]  # fmt: skip
+    text = "\n".join(report._packed({"meta": {"device": "cpu"}, "rows": rows}))
+    assert text.count("**Packed vs padded, ") == 2
+    fp32, bf16 = text.split("**Packed vs padded, bf16**")
+    assert "**Packed vs padded, fp32** (S = 4, T = 8, V = 32, H = 16 for fused-linear" in fp32
+    assert "| fused-linear | packed | fp32 | 16 |" in fp32 and "| bf16 |" not in fp32
+    assert "| fastrl | padded | bf16 |  |" in bf16 and "| fp32 |" not in bf16
+
+
+def test_verl_baseline_calls_verls_own_functions(monkeypatch):
+    """verl-eager runs verl's own compute_policy_loss_vanilla / kl_penalty / agg_loss (not a
+    copy), and that equals TRL's GRPO loss where no clamp is hit."""
+    pytest.importorskip("verl")
+    import torch
+    from verl.trainer.ppo import core_algos
+
+    load_bench("bench_policy_loss.py")
+    baselines = sys.modules["_baselines"]
+    called = []
+    for name in ("compute_policy_loss_vanilla", "kl_penalty", "agg_loss"):
+        real = getattr(core_algos, name)
+        spy = lambda *a, _r=real, _n=name, **k: called.append(_n) or _r(*a, **k)  # noqa: E731
+        monkeypatch.setattr(core_algos, name, spy)
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 9
+    logp = -3 * torch.rand(B, T, generator=g)
+    old = logp + 0.05 * torch.randn(B, T, generator=g)
+    ref = logp + 0.05 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    mask = torch.arange(T)[None] < torch.tensor([9, 5, 7, 2])[:, None]
+    got = baselines.make_verl_grpo_math()(logp, old, ref, adv, mask)
+    want = baselines.trl_grpo_math(logp, old, ref, adv, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert {"compute_policy_loss_vanilla", "kl_penalty", "agg_loss"} <= set(called)
+
+
+def test_staleness_counts_the_shared_harness():
+    """_common.py (timing, memory) and _baselines.py (the baselines' code) are measuring code:
+    a change to them marks the timed tables stale (the trainers' files use neither's timing)."""
+    report = _report()
+    timed = ["bench_policy_loss", "bench_fused_linear", "bench_gae", "bench_sample",
+             "bench_packed", "bench_vocab_parallel", "bench_kernel_configs"]  # fmt: skip
+    for key in timed:
+        assert "benchmarks/_common.py" in report.MEASURES[key], key
+    for key in ("bench_policy_loss", "bench_fused_linear", "bench_packed"):
+        assert "benchmarks/_baselines.py" in report.MEASURES[key], key
+    assert "benchmarks/_common.py" not in report.MEASURES["train_summary"]
+
+
+def test_every_staged_benchmark_keeps_its_rows_when_cut():
+    """run_all's stage timeout sends SIGINT: every benchmark it stages wraps its measuring loop
+    in keep_rows_on_interrupt (the behaviour is tested below and above for some of them)."""
+    run_all = load_bench("run_all.py")
+    scripts = {Path(s.cmd[1]).name for s in run_all.plan(
+        type("A", (), {"out": "/tmp/x", "quick": True, "readme": False, "stages": ""})(),
+        False, dict.fromkeys(run_all.BASELINES)) if s.cmd and s.cmd[1].endswith(".py")}  # fmt: skip
+    scripts.add("bench_kernel_configs.py")  # CUDA only: not in the CPU plan
+    assert len(scripts) >= 10, scripts
+    for script in scripts:
+        assert "keep_rows_on_interrupt(" in (BENCH / script).read_text(), script
+
+
+@pytest.mark.parametrize(
+    "script, argv, cut_at, kept",
+    [
+        ("bench_gae.py", ["--B", "8", "--T", "32", "--rep", "2", "--loop-rep", "1",
+                          "--no-verl"], 2, 1),
+        ("bench_sample.py", ["--N", "4", "--V", "64", "--rep", "2"], 2, 1),
+        # (its first two timings are cpu_rates', before the rows)
+        ("bench_packed.py", ["--quick", "--dtype", "fp32", "--no-progress", "--no-plot",
+                             "--memory", "none"], 5, 2),
+    ],
+)  # fmt: skip
+def test_more_cut_runs_keep_their_rows(tmp_path, monkeypatch, script, argv, cut_at, kept):
+    """A SIGINT (KeyboardInterrupt) during a timing of gae, sample or packed: the rows timed
+    before it are written, with the note, instead of nothing."""
+    mod = load_bench(script)
+    common = sys.modules["_common"]
+    real, seen = common.time_fn, []
+
+    def cut(*a, **kw):
+        seen.append(1)
+        if len(seen) == cut_at:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(common, "time_fn", cut)
+    argv = [*argv, "--out", str(tmp_path)]
+    if script == "bench_packed.py":
+        mod.main(argv)
+    else:
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        mod.main()
+    data = _load(tmp_path / f"{script.removesuffix('.py')}_cpu.json")
+    assert len(data["rows"]) == kept
+    assert "cut short by SIGINT" in data["meta"]["notes"]["interrupted"]

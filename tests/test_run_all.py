@@ -246,7 +246,7 @@ def test_merge_joins_the_calls_of_a_split_run(run, tmp_path):
 
     bad = subprocess.run([*cmd[:2], "--merge", str(tmp_path), "--out", str(merged)],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode != 0 and "holds no summary.json" in bad.stderr
+    assert bad.returncode != 0 and "holds a summary.json" in bad.stderr
 
 
 def test_help_explains_every_option():
@@ -379,8 +379,16 @@ def test_a_run_killed_from_outside_leaves_a_summary_to_merge(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--stages", "gae,sample"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+
+    def gae_done() -> bool:
+        try:
+            summary = json.loads((out / "summary.json").read_text())
+        except (OSError, ValueError):  # not written yet, or being written
+            return False
+        return any(s["name"] == "gae" and s["status"] == "passed" for s in summary["stages"])
+
     deadline = time.time() + 240
-    while not (out / "summary.json").exists() and proc.poll() is None and time.time() < deadline:
+    while not gae_done() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     running = proc.poll() is None  # a summary before the run's end: written after gae
     os.killpg(proc.pid, signal.SIGKILL)
@@ -399,3 +407,101 @@ def test_a_run_killed_from_outside_leaves_a_summary_to_merge(tmp_path):
         s["name"]: s for s in json.loads((merged / "summary.json").read_text())["stages"]
     }
     assert merged_stages["gae"]["status"] == "passed"
+
+
+# a stage that sleeps until SIGINT, then writes its "rows" (what keep_rows_on_interrupt does)
+FAKE_STAGE = """
+import pathlib, sys, time
+out = pathlib.Path(sys.argv[1])
+(out / (sys.argv[2] + ".started")).write_text(str((out / "summary.json").exists()))
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    (out / (sys.argv[2] + ".rows")).write_text("the rows measured before the SIGINT")
+"""
+# run_all.main with its stages replaced by fake ones (gae, sample), and short graces
+DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import run_all
+out, fake = sys.argv[2], sys.argv[3]
+run_all.GRACE_S, run_all.DEADLINE_MARGIN_S = 1, 0.5
+
+def plan(args, cuda, missing):
+    return [run_all.Stage(n, cmd=[sys.executable, fake, out, n]) for n in ("gae", "sample")]
+
+run_all.plan = plan
+sys.exit(run_all.main(["--out", out, *sys.argv[4:]]))
+"""
+
+
+def _driver(tmp_path, *args, term_group_when_started=False):
+    """Run DRIVER; with term_group_when_started, once the first fake stage has started send
+    SIGTERM to the driver's process group, as the device call's outer `timeout -k 5 572` does
+    (it signals its own group; run_all's stages run in sessions of their own)."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (tmp_path / "fake_stage.py").write_text(FAKE_STAGE)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    cmd = [sys.executable, str(tmp_path / "driver.py"), str(ROOT / "benchmarks"), str(out),
+           str(tmp_path / "fake_stage.py"), *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), start_new_session=True)  # fmt: skip
+    if term_group_when_started:
+        deadline = time.time() + 60
+        while not (out / "gae.started").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "", err), out
+
+
+def test_an_outer_timeout_is_forwarded_to_the_running_stage(tmp_path):
+    """A SIGTERM to run_all's process group (the outer `timeout`) never reaches the stage, which
+    runs in its own session: run_all forwards it to the running stage as SIGINT (which keeps its
+    rows), records it, writes the summary and stops (no later stage, exit 128 + 15); the summary
+    was there before the first stage began."""
+    proc, out = _driver(tmp_path, term_group_when_started=True)
+    assert proc.returncode == 128 + 15, proc.stderr[-2000:]
+    assert (out / "gae.started").read_text() == "True"  # summary.json before the first stage
+    assert (out / "gae.rows").exists(), "the stage never got the forwarded signal"
+    assert not (out / "sample.started").exists()
+    stages = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
+    assert stages["gae"]["status"] == "failed"
+    assert stages["gae"]["detail"].startswith("interrupted: run_all got SIGTERM")
+    assert stages["sample"]["status"] == "skipped"
+    assert stages["sample"]["detail"].startswith("not reached")
+
+
+def test_a_deadline_makes_the_stage_timeouts_fire_first(tmp_path):
+    """--deadline: the running stage's timeout is cut to end (its SIGINT grace included) before
+    the deadline, so it keeps its rows; a stage with no time left is not started."""
+    proc, out = _driver(tmp_path, "--deadline", "4")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert (out / "gae.rows").exists()
+    stages = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
+    assert stages["gae"]["status"] == "failed"
+    # at most 4 - grace 1 - margin 0.5 s, less the run's start
+    detail = stages["gae"]["detail"]
+    assert detail.startswith("timed out after ") and 0 < float(detail.split()[3]) <= 2.5, detail
+    assert stages["sample"]["status"] == "skipped" and "--deadline" in stages["sample"]["detail"]
+    assert not (out / "sample.started").exists()
+
+
+def test_merge_skips_a_folder_without_a_summary(tmp_path):
+    """A call killed before run_all wrote anything leaves no summary.json: --merge warns, skips
+    that folder and merges the others."""
+    _, out = _driver(tmp_path, "--deadline", "4")
+    empty, merged = tmp_path / "empty", tmp_path / "merged"
+    empty.mkdir()
+    cmd = [sys.executable, str(SCRIPT), "--merge", str(out), str(empty), "--out", str(merged)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    assert "warning" in proc.stderr and str(empty) in proc.stderr
+    summary = json.loads((merged / "summary.json").read_text())
+    assert summary["merged_from"] == [str(out.resolve())]
+    assert summary["merge_skipped"] == [str(empty)]
+    assert {s["name"] for s in summary["stages"]} == {"gae", "sample"}
+    assert "Skipped (no summary.json)" in (merged / "summary.md").read_text()
