@@ -34,8 +34,10 @@ KL_BIAS_RATIOS = ("token", "sequence")
 
 FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 # The smallest temperature taken, everywhere (losses, log-probs, the sampler): the kernels and the
-# torch path form z' = z * (1 / tau) in fp32, so 1 / tau must be finite there (2.94e-39).
-TAU_MIN = 1.0 / FP32_MAX
+# torch path form z' = z * (1 / tau) in fp32, and the kernels scale by (1 / tau) * log2(e) for
+# exp2, so that product must be finite there: 2 / FP32_MAX = 5.88e-39 (at 1 / FP32_MAX, the
+# floor until 2026-11-27, it was inf and every row NaN).
+TAU_MIN = 2.0 / FP32_MAX
 
 
 class LossConfigError(ValueError):

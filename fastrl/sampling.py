@@ -11,14 +11,14 @@ temperature = 0 is greedy: argmax token, logp and entropy under τ = 1 (top-k / 
 change the argmax and are ignored then).
 
 A small τ: the PyTorch path and the top-k / top-p copy divide max-shifted logits, (z - max z) / τ
-(the same softmax), so any τ >= 2.94e-39 (1 / τ finite in fp32, the smallest taken) samples
-exactly. The kernel multiplies by 1 / τ in its single pass: there |z| / τ must stay finite in
-fp32 (|z| <= 3.4e38 τ), else that row's logp / entropy are NaN (never a silent value); for the
-τ -> 0 limit pass temperature = 0 (greedy).
+(the same softmax), so any τ >= 5.88e-39 (config.TAU_MIN: 1 / τ times log2 e finite in fp32,
+the smallest taken) samples exactly. The kernel multiplies by 1 / τ in its single pass: there
+|z| / τ must stay finite in fp32 (|z| <= 3.4e38 τ), else that row's logp / entropy are NaN
+(never a silent value); for the τ -> 0 limit pass temperature = 0 (greedy).
 
 Per-row temperature: `temperature` may be a tensor (N,) (one τ_r per row, e.g. per request of a
 batch) or () (one for all rows), any float dtype (used in fp32), every value finite and
->= 2.94e-39 (checked on CPU tensors outside torch.compile; greedy is the scalar 0 only). Row r is
+>= 5.88e-39 (checked on CPU tensors outside torch.compile; greedy is the scalar 0 only). Row r is
 then drawn from softmax(z_r / τ_r) (truncated by top-k / top-p as above, after the division),
 and its logp and entropy are under that distribution: the same as sampling each row alone with
 its τ_r.
@@ -50,7 +50,7 @@ _CHUNK_ELEMENTS = 1 << 22  # CPU path: rows per chunk so that fp32 temporaries s
 _PARTIAL_SORT = 1024  # truncate_logits: candidates sorted by torch.topk when that is exact
 _FLT_LOWEST = -FP32_MAX  # the lowest finite fp32
 _U_MIN = 2.0**-25  # the torch path's least uniform draw (half torch.rand's step)
-_TAU_MIN = TAU_MIN  # the smallest temperature taken (config.TAU_MIN: 1 / τ finite in fp32)
+_TAU_MIN = TAU_MIN  # the smallest temperature taken (config.TAU_MIN: 1 / τ · log2 e finite in fp32)
 
 
 def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None, float | None]:
@@ -69,8 +69,8 @@ def _validate(logits, temperature, top_k, top_p, generator) -> tuple[int | None,
         _check_temperature_rows(temperature, logits)
     else:
         expected = (
-            f"0 (greedy), a float >= {_TAU_MIN:.3g} (1 / τ finite in fp32) or a tensor (N,) of "
-            "per-row temperatures"
+            f"0 (greedy), a float >= {_TAU_MIN:.3g} (1 / τ · log2 e finite in fp32) or a tensor "
+            "(N,) of per-row temperatures"
         )
         check_number("temperature", temperature, expected, lambda t: t == 0 or t >= _TAU_MIN)
     top_k = check_int("top_k", top_k, optional=True)
@@ -99,8 +99,8 @@ def _check_temperature_rows(temperature: Tensor, logits: Tensor) -> None:
         bad = ~torch.isfinite(t) | (t < _TAU_MIN)
         if bool(bad.any()):
             raise ValueError(
-                f"temperature must hold finite values >= {_TAU_MIN:.3g} (1 / τ finite in fp32; "
-                f"greedy is the float 0); the tensor of shape {tuple(t.shape)} holds "
+                f"temperature must hold finite values >= {_TAU_MIN:.3g} (1 / τ · log2 e finite in "
+                f"fp32; greedy is the float 0); the tensor of shape {tuple(t.shape)} holds "
                 f"{int(bad.sum())} that are not"
             )
 

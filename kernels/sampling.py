@@ -175,13 +175,14 @@ def _sample_slice(
     # multiples of 4 GROUP) -> (m, s, w, n_nan, key, token, z'_token): the statistics of
     # z'_j = c z_j (c = inv_temperature; raw units inside, as softmax._row_block_stats) and the
     # sampled column. Two stages of the Gumbel-max trick, exact for softmax(z'):
-    #   1. the group: g* = first argmax_g (log2 W_g - log2 E_g), W_g = sum_{j in g} 2^(k z_j)
-    #      (k = c log2 e; log2 W_g = k m_g + log2 s_g with m_g = max_{j in g} z_j and
-    #      s_g = sum 2^(k (z_j - m_g))) and E_g ~ Exp(1) (_log2_group_exponential):
+    #   1. the group: g* = first argmax_g (log W_g - log E_g), W_g = sum_{j in g} e^(c z_j)
+    #      (log W_g = c m_g + ln 2 log2 s_g with m_g = max_{j in g} z_j, s_g = sum 2^(k (z_j -
+    #      m_g)), k = c log2 e; c m_g formed first, so a key overflows only where |z| / τ does)
+    #      and E_g ~ Exp(1) (_log2_group_exponential):
     #      P(g* = g) = W_g / sum W (the max of Gumbels shifted by log weights);
-    #   2. the column, within g* only, after the sweep: first argmax_{j in g*} (k z_j - log2 E_j),
+    #   2. the column, within g* only, after the sweep: first argmax_{j in g*} (c z_j - log E_j),
     #      E_j from stream 0 at counter row ceil(V / 4) + j // 4, word j % 4 (tl.randint4x's
-    #      words): P(y = j | g*) = 2^(k z_j) / W_g*, independent of stage 1.
+    #      words): P(y = j | g*) = e^(c z_j) / W_g*, independent of stage 1.
     # Each group's numbers depend on its own columns only (reduced inside the group, in an order
     # the group's layout fixes), so the token is the same whatever the launch (one program per
     # row, split-V at any slice) and whatever BLOCK_V. GREEDY: key_g = m_g, the column is the
@@ -219,7 +220,9 @@ def _sample_slice(
             key = m_g
         else:
             noise = _log2_group_exponential(seed, row, V, start, g, SLOTS)
-            key = m_g * k + _log2(s_g) - noise
+            # natural units, m_g c first: m_g k overflows for |m_g| / τ in (2.4e38, 3.4e38],
+            # where tied inf keys would pick a wrong group with a finite logp
+            key = m_g * inv_temperature + (_log2(s_g) - noise) * _LN2
         better = key > best_key  # strict: a slot's earliest group wins a tie
         best_key = tl.where(better, key, best_key)
         best_g = tl.where(better, g.to(tl.int32), best_g)
@@ -247,7 +250,7 @@ def _sample_slice(
         col_key = z
     else:
         offs = row * ((V + 3) // 4) + g_star.to(tl.int64) * (GROUP // 4) + tl.arange(0, GROUP // 4)
-        col_key = z * k - _log2_exponential(seed, offs, 0)
+        col_key = z * inv_temperature - _log2_exponential(seed, offs, 0) * _LN2
     best = tl.max(col_key, axis=0)
     first = tl.min(tl.where((col_key == best) & (j < hi), j, 2**62), axis=0)
     first = tl.where(first == 2**62, g_star.to(tl.int64) * GROUP, first)  # every key NaN
@@ -301,7 +304,7 @@ def _sample_split_fwd_kernel(
     part_m_ptr,  # (N, SPLITS) fp32 out: max z' of the slice
     part_s_ptr,  # (N, SPLITS) fp32 out: Σ e^(z' - m) of the slice; NaN if it holds a NaN logit
     part_w_ptr,  # (N, SPLITS) fp32 out: Σ e^(z' - m)·(z' - m) of the slice
-    part_key_ptr,  # (N, SPLITS) fp32 out: max key over the slice (log2(e) (z' + G); raw z if GREEDY)
+    part_key_ptr,  # (N, SPLITS) fp32 out: max group key over the slice (log W_g + G_g; raw z if GREEDY)
     part_idx_ptr,  # (N, SPLITS) int64 out: its column (first maximum)
     part_z_ptr,  # (N, SPLITS) fp32 out: its z'
     V,

@@ -172,12 +172,14 @@ def test_sample_bad_input(kwargs, match):
 
 @pytest.mark.parametrize("top_k", [None, 2])
 def test_a_tiny_temperature_samples_the_argmax_exactly(top_k):
-    """τ down to 3e-39 with logits whose z / τ overflows fp32: the PyTorch path divides
+    """τ down to TAU_MIN with logits whose z / τ overflows fp32: the PyTorch path divides
     max-shifted logits, so it draws the argmax with logp = H = 0 (not NaN and token 0), per-row
     τ too; a row of ties stays uniform over them."""
+    from fastrl.config import TAU_MIN
+
     logits = torch.tensor([[10.0, 30.0, 20.0], [5.0, 5.0, -1.0]])
     g = torch.Generator().manual_seed(0)
-    for tau in (1e-37, 3e-39, torch.tensor([1e-37, 3e-39])):
+    for tau in (1e-37, TAU_MIN, torch.tensor([1e-37, TAU_MIN])):
         tokens, logp, entropy = fastrl.sample(logits, tau, top_k=top_k, generator=g)
         assert tokens[0] == 1 and tokens[1] in (0, 1)
         torch.testing.assert_close(logp, torch.tensor([0.0, -math.log(2)]))
@@ -198,6 +200,33 @@ def test_the_scaled_row_max_is_the_max_of_the_scaled_row():
     for tau in (0.7, 3e-39, 1e20, per_row):
         zs, m = _scaled(z, tau)
         torch.testing.assert_close(m, zs.amax(-1, keepdim=True), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+def test_kernel_at_the_smallest_temperature():
+    """The kernel scales by log2(e) / τ in fp32: at τ = 1 / FP32_MAX (the floor until
+    2026-11-27) that is inf, and every row came out NaN with token 0. At TAU_MIN it is finite:
+    rows whose |z| / τ stays in fp32 are exact, also where |z| log2(e) / τ does not."""
+    from fastrl.kernels import sampling as S
+
+    from fastrl.config import TAU_MIN
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    z = torch.tensor([[1.0, 0.5, -1.0], [0.0, 0.0, 0.0]], device=dev)
+    seed = torch.tensor([4], device=dev)
+    for tau in (TAU_MIN, torch.full((2,), TAU_MIN, device=dev)):
+        tokens, logp, entropy = S.sample_rows(z, seed, tau, False)
+        assert tokens[0] == 0 and 0 <= tokens[1] < 3
+        torch.testing.assert_close(logp.cpu(), torch.tensor([0.0, -math.log(3)]))
+        torch.testing.assert_close(entropy.cpu(), torch.tensor([0.0, math.log(3)]))
+    with pytest.raises(ValueError, match="temperature"):
+        fastrl.sample(z, 1 / 3.4028234663852886e38)
+    # |z| / τ within fp32 (3.0e38 and 3.15e38) but |z| log2(e) / τ beyond it: keys in log2
+    # units tied at inf, and the first group won with a finite logp (-1.5e37)
+    z = torch.full((2, 16), -5.0, device=dev)
+    z[:, 0], z[:, 9] = 2.0, 2.1
+    tokens, logp, _ = S.sample_rows(z, seed, 1 / 1.5e38, False)
+    assert tokens.tolist() == [9, 9] and logp.tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
