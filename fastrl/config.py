@@ -216,7 +216,7 @@ class LossConfig:
         real("entropy_coef", "a finite number >= 0", lambda v: v >= 0.0)
         real(
             "temperature",
-            f"a finite number >= {TAU_MIN:.3g} (1 / temperature finite in fp32)",
+            f"a finite number >= {TAU_MIN:.3g} (1 / temperature · log2 e finite in fp32)",
             lambda v: v >= TAU_MIN,
         )
         real("num_tokens", "None or a finite number > 0", lambda v: v > 0, optional=True)
