@@ -73,8 +73,11 @@ QUICK = dict(N=8, Vs=[300], stats=[(64, 1, None), (256, 4, None)], grad=[(64, 1,
 
 _OVERRIDE: dict = {}  # kernel name -> {"BLOCK_V", "num_warps", "num_stages", "fusion"}
 _plain_config = PL.config  # (kernels/sampling.py imports the same launch.config)
-# the sampler's sweep (BLOCK_V, num_warps): its launcher's choice today is (4096, 16) for bf16
-SAMPLE = [(1024, 2, None), (2048, 4, None), (2048, 8, None), (4096, 8, None), (4096, 16, None)]
+# the sampler's sweep (BLOCK_V, num_warps): its launcher's choice today is (4096, 4) (32 logits
+# a thread, the group noise laid out per thread); (4096, 8) moves that noise between threads,
+# (8192, 8) and the smaller blocks run a Philox call per group instead of per 4 groups
+SAMPLE = [(1024, 1, None), (2048, 2, None), (2048, 8, None), (4096, 4, None), (4096, 8, None),
+          (8192, 8, None)]  # fmt: skip
 SAMPLE_ROWS = (256, 4096)  # decode's few rows (split-V) and a batch (a program per row)
 
 
