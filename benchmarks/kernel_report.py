@@ -188,6 +188,8 @@ SWEEP_LAUNCHES = [
     ("logprobs backward (gradient)", "row_grad_configs", (N, V, "bf16", False)),
     ("logprobs backward, entropy term", "row_grad_configs", (N, V, "bf16", True)),
     ("sample (Gumbel-max)", "sample_rows_configs", (N, V, "bf16", False, SMS)),
+    # an odd vocabulary (GPT-2's): a row stride that is no multiple of 16, unaligned rows
+    ("sample, V = 50257 (unaligned rows)", "sample_rows_configs", (N, 50257, "bf16", False, SMS)),
 ]
 
 

@@ -50,7 +50,8 @@ import torch
 # target arch -> (ptxas name, shared memory one block may use, bytes): 163 KB on sm_80 (A100),
 # 227 KB on sm_90 (H100 / H200), CUDA programming guide, compute capabilities table
 ARCHS = {80: ("sm_80", 163 * 1024), 90: ("sm_90a", 227 * 1024)}
-VOCABS = (1000, 4096, 16384, 32000, 65536, 128256, 151936, 262144)  # 16384: 2 splits
+# 16384: 2 splits; 50257 (GPT-2): a row stride that is no multiple of 16, so unaligned rows
+VOCABS = (1000, 4096, 16384, 32000, 50257, 65536, 128256, 151936, 262144)
 ROWS = (16384, 256, 64, 1)  # training, and decode (split-V below 2 * SMs rows: 2 to 32 splits)
 SM_COUNTS = (132, 108)  # H100 SXM / H200, A100: the split-V heuristic depends on it
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

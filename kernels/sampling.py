@@ -1,8 +1,8 @@
 """One-pass Gumbel-max sampler (SPEC 10): token, its log-prob and the row's entropy.
 
 For a row z (V,) and z' = z / τ, one sweep over the vocabulary in blocks of BLOCK_V carries the
-statistics of the row (per slot of 8 columns, each slot with its own running max: no step
-between threads in the sweep), relative to a max m,
+statistics of the row (per slot: slot r holds every group r + k·BLOCK_V/8, with its own running
+max; no step between threads in the sweep), relative to a max m,
     m = max z',  s = Σ e^(z' - m),  w = Σ e^(z' - m)·(z' - m),
 and draws the token in two stages of the Gumbel-max trick (exact for softmax(z')):
   1. a group of 8 consecutive columns (group g: columns 8g ... 8g + 7): the first argmax of
@@ -13,12 +13,13 @@ and draws the token in two stages of the Gumbel-max trick (exact for softmax(z')
      first argmax of z'_j + G_j, G_j from Philox stream 0 at counter row·ceil(V/4) + j//4, word
      j % 4 (tl.randint4x's words); independent of stage 1, so P(y = j) = W_g / Σ W · e^(z'_j) / W_g.
 Noise per group, not per logit, is what keeps the sweep cheap: about 17 SASS instructions a
-logit on sm_90a at BLOCK_V 4096 (bf16), where noise for every logit took 43 (a quarter of a
-Philox call and two log2 each) and 3 MUFU operations a logit, over the H200's read floor
-(DESIGN 2b); now 1.5 (kernel_report.py). Every number of a group depends on its own 8 columns
-(reduced inside one thread, or two for fp32, in an order its layout fixes) and on counters
-keyed by its index: the same seed gives the same tokens whatever the launch (one program per
-row or split-V at any slice) and whatever BLOCK_V.
+logit on sm_90a at BLOCK_V 4096 (bf16 or fp32, aligned rows or not), where noise for every logit
+took 43 (a quarter of a Philox call and two log2 each) and 3 MUFU operations a logit, over the
+H200's read floor (DESIGN 2b); now 1.5 (kernel_report.py). A group's 8 columns are read as 8
+vectors (one column of every group each) and reduced by the same element-wise ops in a fixed
+order, so every number of a group depends on its own 8 columns and on counters keyed by its
+index, whatever the layout: the same seed gives the same tokens whatever the launch (one
+program per row or split-V at any slice), BLOCK_V, alignment or strides.
 At the end
     lse = m + log s,   logp_y = (z'_y - m) - log s,   H = lse - Σ p z' = log s - w / s,
 max-shifted, so that H has no cancellation at large logit offsets or low temperature (both of
@@ -61,7 +62,6 @@ from .softmax import (
     _log2,
     _lse_finish,
     _lse_init,
-    _lse_merge,
     _lse_merge_partials,
     _lse_store_partials,
     _merge_config,
@@ -141,8 +141,8 @@ def _log2_group_exponential(seed, row, V, start, g, SLOTS: tl.constexpr):
     # Philox stream 1, in super-blocks of 512 groups (4096 columns) of 128 counters: group
     # g = 512 b + 128 a + q takes word a of counter row ceil(V / 4096) 128 + 128 b + q.
     # A whole super-block (SLOTS = 512, start a multiple of 4096): one Philox call per 4 groups,
-    # arranged as a (512, 8) tile's rows lie at 4 warps (row r in thread r % 128), so no data
-    # moves between threads. Otherwise (small blocks) each group runs its counter's Philox.
+    # arranged as the group vectors (512,) lie at 4 warps (element r in thread r % 128), so no
+    # data moves between threads. Otherwise (small blocks) each group runs its counter's Philox.
     base = row * ((V + 4095) // 4096) * 128
     if SLOTS == 512:
         offs = base + start // 4096 * 128 + tl.arange(0, 128)
@@ -155,6 +155,98 @@ def _log2_group_exponential(seed, row, V, start, g, SLOTS: tl.constexpr):
         a = r // 128
         bits = tl.where(a == 0, r0, tl.where(a == 1, r1, tl.where(a == 2, r2, r3)))
     return _log2_exp1(bits)
+
+
+@triton.jit
+def _group_term(z, m_safe, k):
+    # (e, e d) of one column of each group: d = z - m_g clamped to the lowest finite fp32 (a -inf
+    # logit: e d = 0 * finite; NaN kept), e = 2^(k d).
+    d = tl.maximum(z - m_safe, -3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
+    e = _exp2(d * k)
+    return e, e * d
+
+
+@triton.jit
+def _group_stats(row_ptr, stride_lv, first, hi, k, MASKED: tl.constexpr):
+    # (m_g, s_g, w_g) (SLOTS,) of the groups whose first columns are `first` (SLOTS,) int64:
+    # m_g = max z, s_g = sum 2^(k (z - m_g)), w_g = sum 2^(k (z - m_g)) (z - m_g), raw units.
+    # The 8 columns are 8 vectors (SLOTS,), each reduced by the same element-wise ops in the
+    # same order whatever the layout, alignment or stride (a (SLOTS, 8) tile's layout follows
+    # the row's alignment: an odd stride spread a group over 8 threads, at 71 instructions a
+    # logit with spills); column c is the load at ptr + c stride_lv (an immediate offset for a
+    # unit stride). MASKED: columns >= hi load as -inf (the last block only).
+    ptr = row_ptr + first * stride_lv
+    if MASKED:
+        NEG_INF: tl.constexpr = float("-inf")
+        z0 = tl.load(ptr, mask=first < hi, other=NEG_INF).to(tl.float32)
+        z1 = tl.load(ptr + stride_lv, mask=first + 1 < hi, other=NEG_INF).to(tl.float32)
+        z2 = tl.load(ptr + 2 * stride_lv, mask=first + 2 < hi, other=NEG_INF).to(tl.float32)
+        z3 = tl.load(ptr + 3 * stride_lv, mask=first + 3 < hi, other=NEG_INF).to(tl.float32)
+        z4 = tl.load(ptr + 4 * stride_lv, mask=first + 4 < hi, other=NEG_INF).to(tl.float32)
+        z5 = tl.load(ptr + 5 * stride_lv, mask=first + 5 < hi, other=NEG_INF).to(tl.float32)
+        z6 = tl.load(ptr + 6 * stride_lv, mask=first + 6 < hi, other=NEG_INF).to(tl.float32)
+        z7 = tl.load(ptr + 7 * stride_lv, mask=first + 7 < hi, other=NEG_INF).to(tl.float32)
+    else:
+        z0 = tl.load(ptr).to(tl.float32)
+        z1 = tl.load(ptr + stride_lv).to(tl.float32)
+        z2 = tl.load(ptr + 2 * stride_lv).to(tl.float32)
+        z3 = tl.load(ptr + 3 * stride_lv).to(tl.float32)
+        z4 = tl.load(ptr + 4 * stride_lv).to(tl.float32)
+        z5 = tl.load(ptr + 5 * stride_lv).to(tl.float32)
+        z6 = tl.load(ptr + 6 * stride_lv).to(tl.float32)
+        z7 = tl.load(ptr + 7 * stride_lv).to(tl.float32)
+    m_g = tl.maximum(
+        tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3)),
+        tl.maximum(tl.maximum(z4, z5), tl.maximum(z6, z7)),
+    )
+    m_safe = tl.where(m_g == float("-inf"), 0.0, m_g)
+    e0, f0 = _group_term(z0, m_safe, k)
+    e1, f1 = _group_term(z1, m_safe, k)
+    e2, f2 = _group_term(z2, m_safe, k)
+    e3, f3 = _group_term(z3, m_safe, k)
+    e4, f4 = _group_term(z4, m_safe, k)
+    e5, f5 = _group_term(z5, m_safe, k)
+    e6, f6 = _group_term(z6, m_safe, k)
+    e7, f7 = _group_term(z7, m_safe, k)
+    s_g = ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7))
+    w_g = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))
+    return m_g, s_g, w_g
+
+
+@triton.jit
+def _fold_groups(
+    row_ptr, stride_lv, seed, row, V, start, hi, inv_temperature, k, state,
+    GREEDY: tl.constexpr, SLOTS: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    # One block: the groups start / 8 + slot (SLOTS,) -> their keys against each slot's best
+    # and their statistics into each slot's running (m, s, w). state = (m_acc, s_acc, w_acc,
+    # best_key, best_g), (SLOTS,) each.
+    m_acc, s_acc, w_acc, best_key, best_g = state
+    g = start // 8 + tl.arange(0, SLOTS)  # absolute group index
+    m_g, s_g, w_g = _group_stats(row_ptr, stride_lv, g.to(tl.int64) * 8, hi, k, MASKED)
+    if GREEDY:
+        key = m_g
+    else:
+        noise = _log2_group_exponential(seed, row, V, start, g, SLOTS)
+        # natural units, m_g c first: m_g k overflows for |m_g| / τ in (2.4e38, 3.4e38],
+        # where tied inf keys would pick a wrong group with a finite logp
+        key = m_g * inv_temperature + (_log2(s_g) - noise) * _LN2
+    better = key > best_key  # strict: a slot's earliest group wins a tie
+    best_key = tl.where(better, key, best_key)
+    best_g = tl.where(better, g.to(tl.int32), best_g)
+    # merge the group (m_g, s_g, w_g) into its slot: the one with the smaller max is scaled by
+    # a = 2^(k (m_lo - m_hi)) (0 when m_lo = -inf, or far below: its w term is then 0, where
+    # 0 * (s d) was NaN for s d = -inf at a spread near 3.4e38; NaN sums stay NaN)
+    grew = m_g > m_acc
+    m_hi = tl.maximum(m_acc, m_g)
+    m_hi_safe = tl.where(m_hi == float("-inf"), 0.0, m_hi)
+    d_lo = tl.maximum(tl.minimum(m_acc, m_g) - m_hi_safe, -3.4028234663852886e38)
+    a = _exp2(d_lo * k)
+    s_lo = tl.where(grew, s_acc, s_g)
+    w_lo = tl.where(grew, w_acc, w_g)
+    s_acc = tl.where(grew, s_g, s_acc) + a * s_lo
+    w_acc = tl.where(grew, w_g, w_acc) + tl.where(a > 0, a * (w_lo + s_lo * d_lo), 0.0)
+    return m_hi, s_acc, w_acc, best_key, best_g
 
 
 @triton.jit
@@ -183,64 +275,51 @@ def _sample_slice(
     #   2. the column, within g* only, after the sweep: first argmax_{j in g*} (c z_j - log E_j),
     #      E_j from stream 0 at counter row ceil(V / 4) + j // 4, word j % 4 (tl.randint4x's
     #      words): P(y = j | g*) = e^(c z_j) / W_g*, independent of stage 1.
-    # Each group's numbers depend on its own columns only (reduced inside the group, in an order
-    # the group's layout fixes), so the token is the same whatever the launch (one program per
-    # row, split-V at any slice) and whatever BLOCK_V. GREEDY: key_g = m_g, the column is the
+    # Each group's numbers depend on its own columns only (_group_stats: element-wise ops in a
+    # fixed order), so the token is the same whatever the launch (one program per row, split-V
+    # at any slice), BLOCK_V or layout. Whole blocks load without a mask, the rest with one
+    # (_fold_groups' MASKED). GREEDY: key_g = m_g, the column is the
     # first with z_j = m_g (the first argmax of z, hence of z').
     # Per column of a block: a max, a subtract, a clamp, a multiply, an exp2, an add and a
     # multiply-add (the group sums); per group: its key (a log2, the noise's two log2, a quarter
     # of a Philox call) and its merge into the slot's statistics (per-slot running max, no
-    # cross-thread step in the sweep). A -inf logit (masked columns load as -inf) adds 0; a
+    # cross-thread step in the sweep); at the end the slots merge in raw units (one max, scaled
+    # by c once: scaling each slot's max first cost ulp(|z'|) a slot). A -inf logit (masked columns load as -inf) adds 0; a
     # group of -inf has s_g = 0, key -inf, and never wins; a NaN logit makes its group's s_g
     # NaN (key NaN: never wins) and the row's s NaN.
     NEG_INF: tl.constexpr = float("-inf")
     MIN: tl.constexpr = -3.4028234663852886e38
     GROUP: tl.constexpr = _GROUP
     SLOTS: tl.constexpr = BLOCK_V // GROUP
-    slots = tl.arange(0, SLOTS)
-    cols = tl.arange(0, GROUP)
+    cols = tl.arange(0, GROUP)  # stage 2's columns
     k = inv_temperature * _LOG2E
     m_acc = tl.full([SLOTS], NEG_INF, tl.float32)  # per slot: raw max so far
     s_acc = tl.zeros([SLOTS], dtype=tl.float32)  # sum 2^(k (z - m_acc))
     w_acc = tl.zeros([SLOTS], dtype=tl.float32)  # sum 2^(k (z - m_acc)) (z - m_acc)
     best_key = tl.full([SLOTS], NEG_INF, tl.float32)
     best_g = (tl.zeros([SLOTS], dtype=tl.int32) + lo // GROUP).to(tl.int32)
-    for start in range(lo, hi, BLOCK_V):
-        g = start // GROUP + slots  # absolute group index (SLOTS,)
-        j = g[:, None] * GROUP + cols[None, :]  # (SLOTS, GROUP)
-        z = tl.load(row_ptr + j.to(tl.int64) * stride_lv, mask=j < hi, other=NEG_INF)
-        z = z.to(tl.float32)
-        m_g = tl.max(z, axis=1)
-        m_g_safe = tl.where(m_g == NEG_INF, 0.0, m_g)
-        d = tl.maximum(z - m_g_safe[:, None], MIN, propagate_nan=tl.PropagateNan.ALL)
-        e = _exp2(d * k)
-        s_g = tl.sum(e, axis=1)
-        w_g = tl.sum(e * d, axis=1)
-        if GREEDY:
-            key = m_g
-        else:
-            noise = _log2_group_exponential(seed, row, V, start, g, SLOTS)
-            # natural units, m_g c first: m_g k overflows for |m_g| / τ in (2.4e38, 3.4e38],
-            # where tied inf keys would pick a wrong group with a finite logp
-            key = m_g * inv_temperature + (_log2(s_g) - noise) * _LN2
-        better = key > best_key  # strict: a slot's earliest group wins a tie
-        best_key = tl.where(better, key, best_key)
-        best_g = tl.where(better, g.to(tl.int32), best_g)
-        # merge the group (m_g, s_g, w_g) into its slot: the one with the smaller max is scaled
-        # by a = 2^(k (m_lo - m_hi)) (0 when m_lo = -inf; NaN sums stay NaN)
-        grew = m_g > m_acc
-        m_hi = tl.maximum(m_acc, m_g)
-        m_hi_safe = tl.where(m_hi == NEG_INF, 0.0, m_hi)
-        d_lo = tl.maximum(tl.minimum(m_acc, m_g) - m_hi_safe, MIN)
-        a = _exp2(d_lo * k)
-        s_lo = tl.where(grew, s_acc, s_g)
-        w_lo = tl.where(grew, w_acc, w_g)
-        s_acc = tl.where(grew, s_g, s_acc) + a * s_lo
-        w_acc = tl.where(grew, w_g, w_acc) + a * (w_lo + s_lo * d_lo)
-        m_acc = m_hi
-    # the slots' statistics merged (softmax._lse_merge, in z' units), the first best group
-    m, s, w, n_nan = _lse_init()
-    m, s, w = _lse_merge(m, s, w, m_acc * inv_temperature, s_acc, w_acc * inv_temperature)
+    state = (m_acc, s_acc, w_acc, best_key, best_g)
+    whole = lo + (hi - lo) // BLOCK_V * BLOCK_V  # whole blocks without a mask, then the rest
+    for start in range(lo, whole, BLOCK_V):
+        state = _fold_groups(
+            row_ptr, stride_lv, seed, row, V, start, hi, inv_temperature, k, state,
+            GREEDY, SLOTS, False,
+        )  # fmt: skip
+    if whole < hi:
+        state = _fold_groups(
+            row_ptr, stride_lv, seed, row, V, whole, hi, inv_temperature, k, state,
+            GREEDY, SLOTS, True,
+        )  # fmt: skip
+    m_acc, s_acc, w_acc, best_key, best_g = state
+    # the slots' statistics merged in raw units (one max, scaled by c once at the end, as
+    # softmax._row_stats_finish: scaling each slot's max first cost ulp(|z'|) per slot)
+    m_raw = tl.max(m_acc, axis=0)
+    m_raw_safe = tl.where(m_raw == NEG_INF, 0.0, m_raw)
+    d_slot = tl.maximum(m_acc - m_raw_safe, MIN)
+    a_slot = _exp2(d_slot * k)
+    s = tl.sum(a_slot * s_acc, axis=0)
+    w = tl.sum(tl.where(a_slot > 0, a_slot * (w_acc + s_acc * d_slot), 0.0), axis=0)
+    m, s, w, n_nan = m_raw * inv_temperature, s, w * inv_temperature, tl.zeros((), tl.int32)
     key = tl.max(best_key, axis=0)
     g_star = tl.min(tl.where(best_key == key, best_g, 2147483647), axis=0)
     # stage 2: the column within group g_star (read again: one group a row)
@@ -319,9 +398,10 @@ def _sample_split_fwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     # split-V stage 1, grid (N, SPLITS): program (row, k) reduces the columns
-    # k·CHUNK <= j < min((k + 1)·CHUNK, V) to its partials (same per-column noise as the
-    # one-program kernel: Philox counter row·ceil(V/4) + j//4). The partials are in z' = z / τ_r units, so
-    # the merge kernel needs no temperature.
+    # k·CHUNK <= j < min((k + 1)·CHUNK, V) (CHUNK a multiple of 32: whole groups, whole Philox
+    # counters) to its partials, with the noise of the one-program kernel (keyed by group and
+    # column index, not by launch). The partials are in z' = z / τ_r units, so the merge kernel
+    # needs no temperature.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
@@ -395,7 +475,7 @@ def _sample_block(V: int) -> int:
 def _sample_warps(block_v: int) -> int:
     """num_warps of a sampling sweep: at BLOCK_V 4096, 4 (32 logits a thread: 4 groups, one
     Philox call, laid out so that the group noise moves no data between threads); below, where
-    each group runs its own Philox call, 8 logits a thread (more spill: compile_check)."""
+    each group runs its own Philox call, BLOCK_V / 256 (8 logits a thread; at least one warp)."""
     return 4 if block_v >= 4096 else max(1, block_v // 256)
 
 

@@ -495,6 +495,35 @@ def test_kernel_an_all_nan_row_gives_a_token_inside_the_vocabulary(V):
 
 
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
+def test_kernel_statistics_at_extreme_spreads_and_offsets():
+    """Two regressions of the two-stage kernel, found in review:
+    * raw spreads near 3.4e38 (a row of -1.7e38, -1.7e38, 1.7e38 and -inf): merging a group
+      whose scale underflows to 0 formed 0 * (s d) with s d = -inf, and H came out NaN (the
+      per-column kernel gave H = 0);
+    * a large |z'| (offset 1e3, τ = 0.1): each slot's max scaled to z' units before the merge
+      cost ulp(|z'|) in the slots' weights (logp off by 1.7e-5, H by 1.2e-4 relative); the
+      slots now merge in raw units and scale once."""
+    from fastrl.kernels import sampling as S
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    seed = torch.tensor([3], device=dev)
+    for V, chunk in ((16, 0), (100, 0), (100, 96), (9000, 0)):
+        z = torch.full((1, V), float("-inf"), device=dev)
+        z[0, 0] = z[0, 1] = -1.7e38
+        z[0, V // 2] = 1.7e38
+        tokens, logp, entropy = S.sample_rows(z, seed, 1.0, False, split_chunk=chunk)
+        assert tokens.item() == V // 2 and logp.item() == 0 and entropy.item() == 0, (V, chunk)
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(3, 9000, generator=g) * 3 + 1e3).to(dev)
+    tokens, logp, entropy = S.sample_rows(z, seed, 0.1, False)
+    ls = torch.log_softmax(z.double().cpu() / 0.1, -1)
+    want_h = -(ls.exp() * ls).sum(-1)
+    want_logp = ls.gather(1, tokens.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(logp.double().cpu(), want_logp, rtol=0, atol=5e-7)
+    torch.testing.assert_close(entropy.double().cpu(), want_h, rtol=0, atol=5e-7)
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("greedy", [False, True])
 def test_kernel_whole_super_blocks_draw_as_small_blocks(greedy):
     """One program per row sweeps V = 9000 in blocks of 4096 (whole super-blocks: one Philox call
