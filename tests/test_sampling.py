@@ -61,6 +61,20 @@ def assert_chi_square(tokens, probs):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f} (df {df}): counts {counts}"
 
 
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ]
+)
+def kernel_dev(request):
+    """The device a direct kernel test runs on: the interpreter on CPU, and CUDA under `-m gpu`
+    (a plain skipif on "interpreter or CUDA" kept these tests out of `pytest -m gpu`)."""
+    return request.param
+
+
 CASES = [  # (temperature, top_k, top_p)
     (1.0, None, None),
     (0.5, None, None),
@@ -202,8 +216,7 @@ def test_the_scaled_row_max_is_the_max_of_the_scaled_row():
         torch.testing.assert_close(m, zs.amax(-1, keepdim=True), rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
-def test_kernel_at_the_smallest_temperature():
+def test_kernel_at_the_smallest_temperature(kernel_dev):
     """The kernel scales by log2(e) / τ in fp32: at τ = 1 / FP32_MAX (the floor until
     2026-11-27) that is inf, and every row came out NaN with token 0. At TAU_MIN it is finite:
     rows whose |z| / τ stays in fp32 are exact, also where |z| log2(e) / τ does not."""
@@ -211,7 +224,7 @@ def test_kernel_at_the_smallest_temperature():
 
     from fastrl.config import TAU_MIN
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     z = torch.tensor([[1.0, 0.5, -1.0], [0.0, 0.0, 0.0]], device=dev)
     seed = torch.tensor([4], device=dev)
     for tau in (TAU_MIN, torch.full((2,), TAU_MIN, device=dev)):
@@ -421,12 +434,11 @@ def test_the_default_dtype_does_not_change_the_draws(default):
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("V", [1, 2, 3])
-def test_kernel_samples_a_tiny_vocabulary(triton_backend, V):
+def test_kernel_samples_a_tiny_vocabulary(kernel_dev, triton_backend, V):
     """V < 4: the sweep's block still holds 32 columns, four groups of 8 (one Philox call serves
     four groups; a smaller block would ask for an empty arange)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     logits = torch.randn(6, V, device=dev)
     for greedy in (False, True):
         tok, logp, ent = fastrl.sample(logits, temperature=0.0 if greedy else 1.0)
@@ -436,15 +448,14 @@ def test_kernel_samples_a_tiny_vocabulary(triton_backend, V):
             torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("chunk", [30, 33, 64])
-def test_kernel_split_at_any_chunk_samples_the_same_tokens(chunk):
+def test_kernel_split_at_any_chunk_samples_the_same_tokens(kernel_dev, chunk):
     """A forced split_chunk that is not a multiple of 32 is rounded up to one (whole groups of 8
     columns, four to a Philox counter): each group and each column keeps its own Philox word,
     so split-V and one program per row draw the same tokens."""
     from fastrl.kernels import sampling as S
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     logits = torch.zeros(64, 100, device=dev)
     seed = torch.tensor([3], dtype=torch.int64, device=dev)
     one = S.sample_rows(logits, seed, 1.0, False, split_chunk=0)
@@ -452,8 +463,7 @@ def test_kernel_split_at_any_chunk_samples_the_same_tokens(chunk):
     assert torch.equal(one[0], split[0])
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
-def test_kernel_draws_across_groups_and_super_blocks():
+def test_kernel_draws_across_groups_and_super_blocks(kernel_dev):
     """The kernel draws a group of 8 columns by its weight, then a column inside it: a support
     spread over several groups, two in one group (and on CUDA both sides of the 4096-column
     super-block boundary of the group noise, where its Philox words are laid out per thread; the
@@ -461,7 +471,7 @@ def test_kernel_draws_across_groups_and_super_blocks():
     as softmax says (chi-square), with the logp of that distribution."""
     from fastrl.kernels import sampling as S
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     if dev == "cuda":
         n, V, cols = 20000, 4200, [0, 5, 9, 100, 2049, 4095, 4096, 4199]
     else:  # groups 0, 0, 1, 2, 3, 3, 4, 4 of a V = 40 row
@@ -479,14 +489,13 @@ def test_kernel_draws_across_groups_and_super_blocks():
     torch.testing.assert_close(logp, probs.log()[index].float())
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("V", [3, 13])
-def test_kernel_an_all_nan_row_gives_a_token_inside_the_vocabulary(V):
+def test_kernel_an_all_nan_row_gives_a_token_inside_the_vocabulary(kernel_dev, V):
     """No group wins in an all-NaN row, and its column keys are NaN; the compiled max ignores
     NaN, so the columns past V (loaded as -inf) used to equal the 'max': token V or above."""
     from fastrl.kernels import sampling as S
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     logits = torch.full((2, V), float("nan"), device=dev)
     for greedy in (False, True):
         tokens, logp, entropy = S.sample_rows(logits, torch.tensor([1], device=dev), 1.0, greedy)
@@ -494,8 +503,7 @@ def test_kernel_an_all_nan_row_gives_a_token_inside_the_vocabulary(V):
         assert torch.isnan(logp).all() and torch.isnan(entropy).all()
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
-def test_kernel_statistics_at_extreme_spreads_and_offsets():
+def test_kernel_statistics_at_extreme_spreads_and_offsets(kernel_dev):
     """Two regressions of the two-stage kernel, found in review:
     * raw spreads near 3.4e38 (a row of -1.7e38, -1.7e38, 1.7e38 and -inf): merging a group
       whose scale underflows to 0 formed 0 * (s d) with s d = -inf, and H came out NaN (the
@@ -505,7 +513,7 @@ def test_kernel_statistics_at_extreme_spreads_and_offsets():
       slots now merge in raw units and scale once."""
     from fastrl.kernels import sampling as S
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     seed = torch.tensor([3], device=dev)
     for V, chunk in ((16, 0), (100, 0), (100, 96), (9000, 0)):
         z = torch.full((1, V), float("-inf"), device=dev)
@@ -523,15 +531,14 @@ def test_kernel_statistics_at_extreme_spreads_and_offsets():
     torch.testing.assert_close(entropy.double().cpu(), want_h, rtol=0, atol=5e-7)
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("greedy", [False, True])
-def test_kernel_whole_super_blocks_draw_as_small_blocks(greedy):
+def test_kernel_whole_super_blocks_draw_as_small_blocks(kernel_dev, greedy):
     """One program per row sweeps V = 9000 in blocks of 4096 (whole super-blocks: one Philox call
     per 4 groups, laid out per thread); a split into slices of 1024 runs the per-group Philox of
     small blocks, one of 4096 the whole-super-block path in split-V: the same tokens."""
     from fastrl.kernels import sampling as S
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     logits = (torch.randn(3, 9000, generator=torch.Generator().manual_seed(1)) * 3).to(dev)
     logits[2, :4000] = float("-inf")
     seed = torch.tensor([2**33 + 5], device=dev)
@@ -587,12 +594,11 @@ def philox_words(seed, offsets, ours):
     return out
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("seed", [0, 3, 2871038, 2**40 + 7, -5, 2**63 - 1])
-def test_kernel_philox_is_triton_randint4x_bit_for_bit(seed):
+def test_kernel_philox_is_triton_randint4x_bit_for_bit(kernel_dev, seed):
     """The sampler's Philox4x32-10 (one wide multiply per product) draws tl.randint4x's words,
     counters past 2^32 included (compiled on CUDA, where the products are inline PTX)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     offsets = torch.tensor([0, 1, 7, 2**31 + 5, 2**32 - 1, 2**32, 2**33 + 11, 2**40 + 3] * 2)
     offsets[8:] += 12345
     offsets = offsets.to(dev)
@@ -602,14 +608,13 @@ def test_kernel_philox_is_triton_randint4x_bit_for_bit(seed):
     assert ((ours >= 0) & (ours < 2**32)).all() and ours.unique().numel() > 60
 
 
-@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernels")
 @pytest.mark.parametrize("split_chunk", [0, 4])
-def test_kernel_a_philox_word_near_2_to_32_still_samples_its_token(split_chunk):
+def test_kernel_a_philox_word_near_2_to_32_still_samples_its_token(kernel_dev, split_chunk):
     """Kernel: U = (word + 0.5) 2^-32 rounds to 1.0 in fp32 for the top 128 words (probability
     2^-25 a column): 1 - U = 0 gave E = inf and a key of -inf, so a row whose support is that
     one token gave token 0 with logp = -inf. Seed 2871038 draws such a word for column 2 of
     row 0 (counter 0, word 2)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = kernel_dev
     seed = torch.tensor([2871038], dtype=torch.int64, device=dev)
     word = philox_words(seed, torch.zeros(2, dtype=torch.int64, device=dev), True)[0, 2]
     assert word >= 2**32 - 128  # the premise
