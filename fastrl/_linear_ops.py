@@ -372,7 +372,7 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
     kind = hidden.device.type  # (no autocast on `meta`: torch.autocast("meta") raises)
-    off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else None
+    off = torch.autocast(kind, enabled=False) if ops.has_autocast(kind) else None
     with off or contextlib.nullcontext():  # the forward's dtype, as is
         dh, dw, db = linear_token_stats_backward(
             hidden,

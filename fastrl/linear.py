@@ -116,7 +116,7 @@ def _autocast_dtype(device: torch.device):
     """The dtype torch.autocast would run `F.linear` in on `device`, or None when it is off or
     does not exist there (`meta`: torch.is_autocast_enabled("meta") raises)."""
     kind = device.type
-    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+    if not ops.has_autocast(kind) or not torch.is_autocast_enabled(kind):
         return None
     return torch.get_autocast_dtype(kind)
 

@@ -202,6 +202,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+def has_autocast(kind: str) -> bool:
+    """torch.amp.is_autocast_available(kind) (False on `meta`, where torch.autocast raises),
+    asked outside torch.compile only: dynamo in torch 2.11 cannot trace it (a graph break, an
+    error under fullgraph=True), and a compiled graph runs on a device that has autocast."""
+    if kind == "meta":
+        return False
+    return torch.compiler.is_compiling() or torch.amp.is_autocast_available(kind)
+
+
 def refuse_double_backward(op: str) -> None:
     """Raise a clear error when a backward runs with create_graph=True: fastrl's backwards are
     custom kernels with no derivative of their own, so a gradient of the gradient (gradient

@@ -243,3 +243,29 @@ def test_a_warm_compile_cache_never_hands_back_another_versions_backward(tmp_pat
         ratios = [float(line) for line in proc.stdout.split()]
         assert ratios == [1.0, 1.0], (version, ratios)
     assert len(ops.SOURCE_KEY) == 16 and ops.SOURCE_KEY != "another-version"
+
+
+def test_the_lm_head_ops_compile_where_dynamo_cannot_trace_is_autocast_available(monkeypatch):
+    """torch 2.11's dynamo cannot trace torch.amp.is_autocast_available (a C builtin it skips:
+    a graph break, an error under fullgraph=True; found on an H200). The LM-head ops ask it
+    only outside torch.compile; here it is made untraceable, as there, on this torch."""
+    monkeypatch.setattr(torch.amp, "is_autocast_available",
+                        torch._dynamo.disable(torch.amp.is_autocast_available))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 16, generator=g)
+    weight = torch.randn(37, 16, generator=g) * 0.3
+    tokens = torch.randint(0, 37, (2, 5), generator=g)
+    adv, old = torch.randn(2, generator=g), torch.randn(2, 5, generator=g) - 3.6
+
+    def step(h, w):
+        out = fastrl.fused_linear_policy_loss(h, w, tokens, adv, old, config="dapo")
+        return out.loss + fastrl.linear_logprobs(h, w, tokens).sum()
+
+    grads = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        grads.append((loss.detach(), h.grad, w.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

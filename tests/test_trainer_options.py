@@ -421,3 +421,22 @@ def test_bench_learning_smoke(tmp_path):
     assert (tmp_path / "learning.png").is_file() and "| grpo |" in (
         tmp_path / "learning.md"
     ).read_text()
+
+
+@pytest.mark.parametrize("name, world", [("cuda", 1), ("auto", 1), ("cuda", 2), ("cuda:0", 1)])
+def test_pick_device_gives_set_device_an_index(monkeypatch, name, world):
+    """--device cuda (and auto on a GPU machine) made every `fastrl train` on a GPU fail with
+    torch.cuda.set_device's "Expected a torch.device with a specified index" (found on an
+    H200). The device now gets the current index first. CUDA is faked here: set_device checks
+    its argument as the real one does before it reaches the driver."""
+    from torch.cuda._utils import _get_device_index
+
+    from fastrl.train.build import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(_get_device_index(d)))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dev = pick_device(name, world)
+    assert dev == torch.device("cuda", 0) and chosen == [0]

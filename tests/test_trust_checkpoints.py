@@ -151,8 +151,8 @@ def test_a_run_moves_between_cpu_and_cuda(tmp_path, capsys):
     for steps, device, saved in (("3", "cuda", "cpu"), ("4", "cpu", "cuda")):
         argv = ["train", "--resume", str(out), "--steps", steps, "--device", device]
         rc = main([*argv, "--progress", "false"])
-        text = capsys.readouterr().out
-        assert rc == 0, text
+        text, err = capsys.readouterr()
+        assert rc == 0, text + err
         assert f"saved on {saved} and this run's is on {device}" in text, text
     assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2, 3, 4]
 

@@ -151,6 +151,8 @@ def pick_device(name: str, world: int) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={name!r} but CUDA is not available; use --device cpu")
     if dev.type == "cuda":
+        if dev.index is None:  # torch.cuda.set_device refuses a device without an index
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     return dev
 
