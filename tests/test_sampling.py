@@ -394,6 +394,58 @@ def test_sample_cuda(dtype):
     assert torch.equal(fastrl.sample(logits, 0.7, generator=g)[0], tokens)
 
 
+def pooled_pearson(counts, expected, least=5.0):
+    """Pearson's statistic and its degrees of freedom, the cells expected fewer than `least`
+    times pooled into one (smallest first, until the pool reaches `least`): with a cell expected
+    0.1 times, two draws of it alone add 31, and the chi-square law no longer holds."""
+    order = torch.argsort(expected)
+    k = int((torch.cumsum(expected[order], 0) < least).sum()) + 1
+    pool, rest = order[:k], order[k:]
+    c = torch.cat([counts[pool].sum()[None], counts[rest]])
+    e = torch.cat([expected[pool].sum()[None], expected[rest]])
+    return (((c - e) ** 2) / e).sum().item(), len(e) - 1
+
+
+def draws_under_many_seeds(device, seeds=200, n=4000, taus=(0.5, 2.0)):
+    """{tau: [(statistic, df)] over the seeds}: each call draws 2n rows, n at each of two
+    temperatures (V = 9: the last column is alone in the second group of 8)."""
+    z = LOGITS.to(device)
+    tau = torch.tensor(taus, device=device).repeat_interleave(n)
+    stats = {t: [] for t in taus}
+    for seed in range(seeds):
+        g = torch.Generator(device=device).manual_seed(seed)
+        tokens, _, _ = fastrl.sample(z.expand(2 * n, -1), temperature=tau, generator=g)
+        counts = torch.stack([torch.bincount(b, minlength=9) for b in tokens.view(2, n)])
+        for t, c in zip(taus, counts.double().cpu()):
+            stats[t].append(pooled_pearson(c, n * torch.softmax(LOGITS.double() / t, 0)))
+    return stats
+
+
+def assert_draws_under_many_seeds(stats):
+    """A correct sampler's statistics average their degrees of freedom (sd sqrt(2 df / 200)
+    <= 0.28 here) and pass the 0.999 quantile about 0.2 times in 200 (3 or more: p ~ 1e-3)."""
+    for t, st in stats.items():
+        df = st[0][1]
+        values = torch.tensor([v for v, _ in st])
+        assert abs(values.mean().item() - df) < 1.5, (t, df, values.mean(), values.max())
+        assert (values > CHI2_999[df]).sum() <= 2, (t, df, sorted(values.tolist())[-5:])
+
+
+def test_pooled_pearson_over_many_seeds_torch_path(monkeypatch):
+    """The many-seed check below, on the torch path here (a test of the check: unpooled, the
+    cell expected 0.1 times at tau = 0.5 put 4 of 200 statistics past the 0.999 quantile)."""
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    assert_draws_under_many_seeds(draws_under_many_seeds("cpu", seeds=100))
+
+
+@pytest.mark.gpu
+def test_the_kernel_draws_well_under_every_seed_cuda():
+    """200 seeds, 4000 draws each: under every seed each block of rows follows its softmax. An
+    H200 run of 40 seeds drew one unpooled statistic of 41.5 (two draws of the column expected
+    0.1 times, as the torch path also does); pooled, the law holds."""
+    assert_draws_under_many_seeds(draws_under_many_seeds("cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature,top_k,top_p", CASES)
 def test_sampled_distribution_cuda(temperature, top_k, top_p):
