@@ -21,8 +21,10 @@ Rows (kind):
   sample         kernels.sampling.sample_rows (Gumbel-max, one read of each row) on 256 rows
                  (split-V) and 4096 rows (a program per row) at each (BLOCK_V, warps), and at
                  the launcher's own choice
-  e2e            fastrl.policy_loss(..., config="grpo") forward + backward as users call it:
-                 the launchers' own choices (`default`), and FASTRL_ONE_PASS=0 (`two-kernel`)
+  e2e            fastrl.policy_loss(..., config="grpo") forward + backward as users call it,
+                 at the launchers' own choices: `default` (FASTRL_ONE_PASS unset: the statistics
+                 kernel, the O(N) Triton kernel of every token's dL/dlogp and dL/dH, the
+                 gradient kernel) and `one-pass (FASTRL_ONE_PASS=1)` (the one-pass kernel), its A/B
   profile        one e2e call under torch.profiler: each CUDA kernel's count and time, and the
                  host's wall time per call against the device's (a launch-bound call shows the
                  host slower); the same for fastrl.sample on 256 rows (decode's shape)
@@ -230,8 +232,8 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
 
     with override(None):
         timed("e2e", V, "default", e2e, two)
-    with override(None, one_pass="0"):
-        timed("e2e", V, "two-kernel (FASTRL_ONE_PASS=0)", e2e, two)
+    with override(None, one_pass="1"):
+        timed("e2e", V, "one-pass (FASTRL_ONE_PASS=1)", e2e, two)
     if device == "cuda":
         with override(None):
             notes[f"profile V={V}"] = _profile(e2e)

@@ -15,10 +15,13 @@ w.r.t. the logits (their values agree; each row records its loss value).
 Rows (methods):
   fastrl               fastrl.policy_loss(..., config=LossConfig.grpo()): dL/dlogits is computed
                        in the forward; the backward only scales it by grad_output. On CUDA a
-                       token-separable loss (GRPO here) runs the one-pass kernel: each row's
-                       statistics and gradient in one program (_policy_loss_fwd_kernel)
-  fastrl-two-kernel    CUDA only: the same with FASTRL_ONE_PASS=0 (statistics kernel, O(N)
-                       autograd of the per-token terms, gradient kernel): the one-pass kernel's A/B
+                       token-separable loss (GRPO here) runs, by default (FASTRL_ONE_PASS unset
+                       or 0), the statistics kernel, one O(N) Triton kernel of every token's
+                       g_t = dL/dlogp_t and h_t = dL/dH_t (_token_grads_fwd_kernel), then the
+                       gradient kernel
+  fastrl-one-pass      CUDA only: the same with FASTRL_ONE_PASS=1: the one-pass kernel, each
+                       row's statistics and gradient in one program (_policy_loss_fwd_kernel):
+                       the A/B of the default path
   fastrl-inplace       the same with inplace=True: the gradient overwrites the logits buffer (each
                        timed call gets a fresh copy from an untimed prepare(); the cost does not
                        depend on the values)
@@ -95,7 +98,7 @@ BASELINE = "trl-eager"
 ORACLE = "reference (oracle)"
 METHODS = (
     "fastrl",
-    "fastrl-two-kernel",  # CUDA only: FASTRL_ONE_PASS=0, the A/B of the one-pass kernel
+    "fastrl-one-pass",  # CUDA only: FASTRL_ONE_PASS=1, the A/B of the default path
     "fastrl-inplace",
     "trl-eager",
     "trl-eager-compiled",
@@ -151,16 +154,19 @@ def build_methods(inp, args, device, notes):
     methods = {}
     if "fastrl" in wanted:
         methods["fastrl"] = lambda x: fastrl.policy_loss(view(x), **rest, config=cfg).loss
-    if device.type == "cuda" and "fastrl-two-kernel" in wanted:
+    if device.type == "cuda" and "fastrl-one-pass" in wanted:
 
-        def two_kernel(x):  # statistics kernel, O(N) autograd, gradient kernel
-            os.environ["FASTRL_ONE_PASS"] = "0"
+        def one_pass(x):  # the one-pass kernel: a row's statistics and gradient in one program
+            saved = os.environ.get("FASTRL_ONE_PASS")
+            os.environ["FASTRL_ONE_PASS"] = "1"
             try:
                 return fastrl.policy_loss(view(x), **rest, config=cfg).loss
             finally:
                 os.environ.pop("FASTRL_ONE_PASS")
+                if saved is not None:
+                    os.environ["FASTRL_ONE_PASS"] = saved
 
-        methods["fastrl-two-kernel"] = two_kernel
+        methods["fastrl-one-pass"] = one_pass
     if "fastrl-inplace" in wanted:
         # inplace=True refuses the caller's own leaf tensor: it gets what a trainer passes, the
         # output of an op (here `x + 0`, made outside the timed and measured region)

@@ -8,7 +8,8 @@ shows stands in the way").
 
 Workloads (the inputs and methods of the two benchmarks, imported from them):
   policy-loss   bench_policy_loss.py's GRPO loss on logits (B, T, V) = (64, 128, 151936) on CUDA:
-                fastrl, fastrl-two-kernel (FASTRL_ONE_PASS=0), trl-eager, liger (CUDA only)
+                fastrl (the default path), fastrl-one-pass (FASTRL_ONE_PASS=1: the one-pass
+                kernel, CUDA only), trl-eager, liger (CUDA only)
   fused-linear  bench_fused_linear.py's GRPO loss from hidden states and the LM head,
                 N = 8192, H = 4096, V = 151936 on CUDA: fastrl-fused-linear,
                 linear_logprobs+grpo, gemm-floor, trl-chunked, liger-fused-linear
@@ -48,7 +49,7 @@ from _common import (  # noqa: E402
 )
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-POLICY_METHODS = ("fastrl", "fastrl-two-kernel", "trl-eager", "liger")
+POLICY_METHODS = ("fastrl", "fastrl-one-pass", "trl-eager", "liger")
 LINEAR_METHODS = (
     "fastrl-fused-linear",
     "linear_logprobs+grpo",

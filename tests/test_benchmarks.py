@@ -537,6 +537,76 @@ def test_rows_in_flight_sweep_records_the_grid_each_value_gives(monkeypatch):
         mod.main(["--device", "cpu"])
 
 
+def test_rows_in_flight_children_run_the_one_pass_kernel_then_the_default(tmp_path, monkeypatch):
+    """bench_rows_in_flight.py's child runs: the sweep's rows (`fastrl-one-pass`) with
+    FASTRL_ONE_PASS=1 (FASTRL_ROWS_IN_FLIGHT shapes the one-pass kernel's grid only) and
+    FASTRL_ROWS_IN_FLIGHT=P; the A/B row (`fastrl`, the default path) with both unset, whatever
+    the caller's environment held; each child times bench_policy_loss.py's `fastrl` method."""
+    mod = load_bench("bench_rows_in_flight.py")
+    assert (mod.ONE_PASS, mod.DEFAULT) == ("fastrl-one-pass", "fastrl")
+    monkeypatch.setenv("FASTRL_ONE_PASS", "0")
+    monkeypatch.setenv("FASTRL_ROWS_IN_FLIGHT", "7")
+    seen = []
+
+    def fake_run(cmd, env, **kw):
+        seen.append((cmd, env))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        row = {"method": "fastrl", "N": 32, "V": 512, "dtype": "fp32", "total_ms": 1.0}
+        (out / "bench_policy_loss_cpu.json").write_text(json.dumps({"rows": [row]}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    args = type("A", (), {"shapes": "2x16x512", "dtype": "fp32", "quick": True, "rep": None})()
+    assert mod.child_rows(mod.ONE_PASS, "66", args, "cpu", tmp_path)[0]["total_ms"] == 1.0
+    assert mod.child_rows(mod.DEFAULT, None, args, "cpu", tmp_path)[0]["N"] == 32
+    (one_cmd, one_env), (default_cmd, default_env) = seen
+    for cmd in (one_cmd, default_cmd):
+        assert cmd[cmd.index("--methods") + 1] == "fastrl"
+    assert one_env["FASTRL_ONE_PASS"] == "1" and one_env["FASTRL_ROWS_IN_FLIGHT"] == "66"
+    assert "FASTRL_ONE_PASS" not in default_env and "FASTRL_ROWS_IN_FLIGHT" not in default_env
+    assert os.environ["FASTRL_ONE_PASS"] == "0" and os.environ["FASTRL_ROWS_IN_FLIGHT"] == "7"
+
+
+def test_policy_loss_one_pass_method_sets_the_variable_for_its_call_only(monkeypatch):
+    """bench_policy_loss.py's `fastrl-one-pass` (CUDA only; a device that says "cuda" here) calls
+    fastrl.policy_loss with FASTRL_ONE_PASS=1 and restores the caller's value after; `fastrl`
+    leaves the variable as it is (the library's default path)."""
+    pytest.importorskip("trl")
+    import types
+
+    import torch
+
+    mod = load_bench("bench_policy_loss.py")
+    assert "fastrl-one-pass" in mod.METHODS and "fastrl-two-kernel" not in mod.METHODS
+    seen = []
+    real = mod.fastrl.policy_loss
+
+    def spy(*a, **kw):
+        seen.append(os.environ.get("FASTRL_ONE_PASS"))
+        return real(*a, **kw)
+
+    inp = mod.make_inputs(2, 4, 16, torch.float32, torch.device("cpu"))
+    args = types.SimpleNamespace(slice=False, methods="fastrl,fastrl-one-pass", no_compile=True,
+                                 no_verl=True, no_reference=True, no_liger=True)  # fmt: skip
+    monkeypatch.setattr(mod.fastrl, "policy_loss", spy)
+    for caller in (None, "0"):
+        if caller is None:
+            monkeypatch.delenv("FASTRL_ONE_PASS", raising=False)
+        else:
+            monkeypatch.setenv("FASTRL_ONE_PASS", caller)
+        methods = mod.build_methods(inp, args, types.SimpleNamespace(type="cuda"), {})
+        assert set(methods) == {"fastrl", "fastrl-one-pass"}
+        seen.clear()
+        for name in ("fastrl", "fastrl-one-pass"):
+            forward = methods[name][0]
+            forward(inp["logits"][:, :4].contiguous())
+        assert seen == [caller, "1"]
+        assert os.environ.get("FASTRL_ONE_PASS") == caller
+    cpu = mod.build_methods(inp, args, torch.device("cpu"), {})
+    assert set(cpu) == {"fastrl"}  # the A/B is CUDA only
+
+
 def test_profile_quick(tmp_path):
     """bench_profile.py --quick: every method of both workloads profiled, its rows' times add up to
     its step time (the top kernels longest first, then "(other)"), shares sum to 1, the floor of
