@@ -24,8 +24,8 @@ that pytest-gpu cut short still writes the counts it has); its stdout + stderr g
                   (BLOCK_V, warps, stages, grid, fp fusion) timed through their launchers at
                   N = 16384, V = 151936 and 32000, bf16, the HBM copy floor beside them, and a
                   profile of fastrl.policy_loss and fastrl.sample (host vs device time)
-  rows-in-flight  bench_rows_in_flight.py: the one-pass kernel's grid swept
-                  (FASTRL_ROWS_IN_FLIGHT = auto, 0, 66, 132, 264) and the two-kernel path, CUDA
+  rows-in-flight  bench_rows_in_flight.py: the one-pass kernel's grid swept (FASTRL_ONE_PASS=1,
+                  FASTRL_ROWS_IN_FLIGHT = auto, 0, 66, 132, 264) and the default path, CUDA
                   N = 16384 at V = 151936 and N = 8192 at V = 262144, bf16 (--quick: the CPU
                   smoke run, which only checks the plumbing)
   fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16, plus the
@@ -502,11 +502,14 @@ def headlines(out: Path, cuda: bool, since: float) -> list[dict]:
     path = out / f"bench_rows_in_flight_{dev}.json"
     data = load_json(path)
     for r in (data or {}).get("rows", []):
-        if r["method"] == "fastrl" and r.get("vs_two_kernel") is not None:  # CUDA only
+        # CUDA only; older files: the rows of "fastrl" against the two-kernel path
+        old = r["method"] == "fastrl" and r.get("vs_two_kernel") is not None
+        if (r["method"] == "fastrl-one-pass" and r.get("vs_default") is not None) or old:
             case = f"N={r['N']} V={r['V']} {r['dtype']}"
             roof = f"{r['pct_bw']:.1f}%" if cuda and r.get("pct_bw") is not None else "n/a"
-            add("rows-in-flight", case, f"P={r['rows_in_flight']}: ms / two-kernel ms",
-                r.get("vs_two_kernel"), roof, path.name)  # fmt: skip
+            what = "two-kernel" if old else "default-path"
+            add("rows-in-flight", case, f"P={r['rows_in_flight']}: ms / {what} ms",
+                r.get("vs_two_kernel" if old else "vs_default"), roof, path.name)  # fmt: skip
     path = out / f"bench_fused_linear_{dev}.json"
     data = load_json(path)
     for r in (data or {}).get("rows", []):

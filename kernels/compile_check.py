@@ -5,7 +5,7 @@
 
 The launch configurations come from the launchers' own `*_configs` functions
 (policy_loss.row_stats_configs, row_grad_configs, scale_configs, sampling.sample_rows_configs,
-gae.gae_scan_configs, policy_terms.policy_terms_configs), called over a grid of shapes: V from
+gae.gae_scan_configs, policy_terms.policy_terms_configs, token_grads_configs), called over a grid of shapes: V from
 1000 to 262144, few rows (decode: split-V) and many, fp32 / bf16 / fp16 logits, both values of every constexpr flag (ROW_TEMP: a
 scalar or a per-row temperature), two SM counts.
 Identical configurations (same kernel, constexprs, warps and pointer element types: `_key`)
@@ -69,7 +69,7 @@ def launcher_calls():
         row_stats_configs,
         scale_configs,
     )
-    from .policy_terms import policy_terms_configs
+    from .policy_terms import policy_terms_configs, token_grads_configs
     from .sampling import sample_rows_configs
 
     for dtype in LOGIT_DTYPES:
@@ -79,8 +79,14 @@ def launcher_calls():
                 for row_temp in (False, True):  # a scalar or a per-row (tensor) temperature
                     rt = ", row_temp=True" if row_temp else ""
                     for sms in SM_COUNTS:
-                        for cfg in row_stats_configs(N, V, dtype, sms, row_temp=row_temp):
-                            yield f"row_stats(N={N}, V={V}, {dt}, sms={sms}{rt})", cfg
+                        for shift in (False, True):
+                            for cfg in row_stats_configs(
+                                N, V, dtype, sms, row_temp=row_temp, shift=shift
+                            ):
+                                yield (
+                                    f"row_stats(N={N}, V={V}, {dt}, sms={sms}{rt}, shift={shift})",
+                                    cfg,
+                                )
                         for greedy in (False, True) if not row_temp else (False,):
                             for cfg in sample_rows_configs(
                                 N, V, dtype, greedy, sms, row_temp=row_temp
@@ -91,11 +97,15 @@ def launcher_calls():
                                     cfg,
                                 )
                     for has_h in (False, True):
-                        for cfg in row_grad_configs(N, V, dtype, has_h, row_temp=row_temp):
-                            yield (
-                                f"row_grad_(N={N}, V={V}, {dt}, grad_entropy={has_h}{rt})",
-                                cfg,
-                            )
+                        for shift in (False, True):
+                            for cfg in row_grad_configs(
+                                N, V, dtype, has_h, row_temp=row_temp, has_shift=shift
+                            ):
+                                yield (
+                                    f"row_grad_(N={N}, V={V}, {dt}, grad_entropy={has_h}{rt}, "
+                                    f"shift={shift})",
+                                    cfg,
+                                )
                         for cfg in policy_rows_configs(N, V, dtype, has_h, row_temp=row_temp):
                             yield (
                                 f"policy_rows_(N={N}, V={V}, {dt}, entropy_coef={has_h}{rt})",
@@ -106,6 +116,8 @@ def launcher_calls():
     for N in ROWS:
         for cfg in policy_terms_configs(N):
             yield f"policy_terms(N={N})", cfg
+        for cfg in token_grads_configs(N):
+            yield f"token_grads(N={N})", cfg
     for dtype in VALUE_DTYPES:
         for T in GAE_STEPS:
             for cfg in gae_scan_configs(64, T, torch.float32, values_dtype=dtype):

@@ -17,24 +17,26 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
 * `_token_stats_bwd_kernel` (one program per row) reads the row a second time and writes
   SPEC 6's gradient
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
-  with g = dL/dlogp and h = dL/dH of that row (computed by autograd from the O(N) per-token
-  terms), p_j from the stored lse and p_y from the stored logp (exact for a nearly one-hot row:
+  with g = dL/dlogp and h = dL/dH of that row (from `policy_terms.token_grads` for a
+  token-separable loss, else autograd of the O(N) per-token terms), p_j from the stored lse and p_y from the stored logp (exact for a nearly one-hot row:
   `_row_grad_store`). A row with g = h = 0 (a masked token) writes zeros without reading its
   logits.
 * `_policy_loss_fwd_kernel` (one program per row; FASTRL_ROWS_IN_FLIGHT makes the grid
-  persistent, for measurements): for a
-  token-separable loss (fastrl.terms.is_token_separable: the loss is sum_t c_t L_t(logp_t, H_t))
-  the two above in ONE program: the row's statistics, then g = c_t dL_t/dlogp_t written out here
-  (`policy_terms._token_terms`: SPEC 1-4's derivative with autograd's conventions) and h = -c_t c_H,
-  then the gradient sweep. FASTRL_ONE_PASS=0 keeps the two-kernel path.
+  persistent, for measurements), only with FASTRL_ONE_PASS=1: for a token-separable loss
+  (fastrl.terms.is_token_separable: the loss is sum_t c_t L_t(logp_t, H_t)) the two above in ONE
+  program: the row's statistics, then g = c_t dL_t/dlogp_t and h = -c_t c_H
+  (`policy_terms._token_grads`: SPEC 1-4's derivative with autograd's conventions), then the
+  gradient sweep.
 * `_scale_grad_kernel` (kernels/scale.py, re-exported here): grad *= the upstream gradient,
   skipped on the device when it is 1.
 
-So the forward + backward of a token-separable loss sweeps each logits row twice in one program
-and writes the gradient once (on an H200 the second sweep comes from HBM: 2 reads + 1 write);
-sequence-level options (GSPO ratio, sequence IS weights) need every row's statistics first: the
-statistics kernel, the O(N) torch math of the per-token terms (fastrl/terms.py), then the
-gradient kernel.
+So the forward + backward of a token-separable loss runs, by default, the statistics kernel,
+one O(N) kernel for every token's (g, h) (`policy_terms.token_grads`, the same
+`_token_grads` the one-pass kernel inlines) and the gradient kernel: 2 reads + 1 write of the
+logits. The one-pass kernel moves the same bytes on an H200 (its second sweep of a row comes
+from HBM, not L2) and measured slower there (`one_pass_enabled`). Sequence-level options (GSPO
+ratio, sequence IS weights) need every row's statistics before any g_t: the statistics kernel,
+the O(N) torch math of the per-token terms (fastrl/terms.py), then the gradient kernel.
 
 Temperature: every kernel that reads logits takes `inv_temp` (fp32 scalar, 1 / tau) and, with the
 constexpr flag ROW_TEMP, reads each row's own 1 / tau_t from `inv_temp_ptr` (fp32 (B * T,)) instead:
@@ -63,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
-from .policy_terms import KL_CODES, POLICY_CODES, SWITCHES, _token_terms
+from .policy_terms import KL_CODES, POLICY_CODES, SWITCHES, _token_grads, token_grads
 from .scale import _scale_grad_kernel, scale_, scale_configs  # noqa: F401 (backend interface)
 from .softmax import (
     _LOG2E,
@@ -104,6 +106,8 @@ def _token_stats_fwd_kernel(
     logp_ptr,  # (B * T,) fp32 out: z'_y - lse
     entropy_ptr,  # (B * T,) fp32 out: H = lse - sum_j p_j z'_j = log s - w / s
     lse_ptr,  # (B * T,) fp32 out: logsumexp(z') = m + log s
+    shift_ptr,  # (B * T,) fp32 out: m = max_j z'_j (written only when STORE_SHIFT)
+    log_s_ptr,  # (B * T,) fp32 out: log s (written only when STORE_SHIFT)
     T,
     V,
     stride_logits_b,
@@ -111,19 +115,25 @@ def _token_stats_fwd_kernel(
     inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
     inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
     ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
+    STORE_SHIFT: tl.constexpr,  # also write m and log s, for an exact gradient kernel
     BLOCK_V: tl.constexpr,
 ):
     # one program per row (grid (B * T,)): one online pass over the whole row keeps, relative
     # to the running max m,  s = sum_j exp(z'_j - m)  and  w = sum_j exp(z'_j - m) * (z'_j - m)
     # (_row_stats_sweep), so that H = log s - w / s has no cancellation (both terms >= 0)
-    # whatever the offset of the logits or the temperature.
+    # whatever the offset of the logits or the temperature. With STORE_SHIFT, m and log s
+    # themselves: the gradient kernel then forms log p_j = (z'_j - m) - log s, exact at any
+    # offset (from lse, rounded at |lse|'s scale, an entry is ~6e-8 |lse| off).
     row = tl.program_id(0).to(tl.int64)
     row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
     inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
     m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
-    _token_stats_store(
+    _, _, _, log_s = _token_stats_store(
         row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
     )
+    if STORE_SHIFT:
+        tl.store(shift_ptr + row, m)
+        tl.store(log_s_ptr + row, log_s)
 
 
 @triton.jit
@@ -223,6 +233,8 @@ def _token_stats_bwd_kernel(
     grad_logp_ptr,  # (B * T,) fp32: g = dL/dlogp
     grad_entropy_ptr,  # (B * T,) fp32: h = dL/dH (unused unless HAS_GRAD_ENTROPY)
     grad_ptr,  # (B, T, V) out, dtype of the logits; may be the logits' own storage
+    shift_ptr,  # (B * T,) fp32: the statistics kernel's m (read only when HAS_SHIFT)
+    log_s_ptr,  # (B * T,) fp32: its log s (read only when HAS_SHIFT)
     T,
     V,
     stride_logits_b,
@@ -233,6 +245,7 @@ def _token_stats_bwd_kernel(
     inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
     ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,  # log p_j = (z'_j - m) - log s (exact), not z'_j - lse
     BLOCK_V: tl.constexpr,
 ):
     # one program per row (grid (B * T,)): dL/dz_j = (1/tau) [g (1[j = y] - p_j)
@@ -252,9 +265,13 @@ def _token_stats_bwd_kernel(
     entropy = tl.load(entropy_ptr + row)
     y = tl.load(tokens_ptr + row).to(tl.int64)
     inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+    shift, log_s = lse, 0.0
+    if HAS_SHIFT:
+        shift, log_s = tl.load(shift_ptr + row), tl.load(log_s_ptr + row)
     _row_grad_store(
-        row_ptr, out_ptr, V, y, logp, lse, 0.0, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY, BLOCK_V
-    )
+        row_ptr, out_ptr, V, y, logp, shift, log_s, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY,
+        BLOCK_V,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -384,27 +401,11 @@ def _policy_loss_fwd_kernel(
         logp, lse, entropy, log_s = _token_stats_store(
             row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
         )
-        c = tl.load(weight_ptr + row)
-        adv = tl.load(adv_ptr + row)
-        old = logp
-        if has_old != 0:
-            old = tl.load(old_ptr + row)
-        ref = logp
-        if kl_est >= 0:
-            ref = tl.load(ref_ptr + row)
-        is_weight = tl.zeros_like(c) + 1.0
-        if has_is != 0:
-            is_weight = tl.load(is_weight_ptr + row)
-        _, dloss, _, _, _ = _token_terms(
-            logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
-            clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
+        g, h = _token_grads(
+            row, row < N, logp, weight_ptr, adv_ptr, old_ptr, ref_ptr, is_weight_ptr, has_old,
+            has_is, policy, ratio_lo, ratio_hi, has_dual, clip_dual, clip_delta, kl_coef, kl_est,
+            kl_bias, entropy_coef, sapo_tau_pos, sapo_tau_neg,
         )  # fmt: skip
-        g = c * dloss
-        # an uncounted token (c = 0): g = 0 exactly, even where its logp is NaN (0 · NaN); a
-        # counted one with a NaN logp (a NaN / +inf logit in its row): g = NaN, so its row's
-        # gradient is NaN (a clamp's derivative would give g = 0, and g = h = 0 writes zeros)
-        g = tl.where(c != 0.0, tl.where(logp != logp, float("nan"), g), 0.0)
-        h = -c * entropy_coef
         y = tl.load(tokens_ptr + row).to(tl.int64)
         out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
         _row_grad_store(
@@ -438,6 +439,16 @@ def _launch_config(V: int) -> tuple[int, int]:
     return block, 1 if block <= 256 else 2
 
 
+def _stats_launch_config(V: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the statistics kernel with one program per row: blocks of 1024
+    elements and 1 warp (32 logits a thread, as (2048, 2)). Measured on an H200
+    (bench_kernel_configs_cuda.json, commit c0e7779, N = 16384 bf16 rows): 1.347 ms at V =
+    151936 (0.96x a bare read of the logits, 1.400 ms) and 0.307 at V = 32000, against 1.425 and
+    0.337 at (2048, 2), 1.49-1.52 / 0.35-0.37 at (2048, 4) and (4096, 4), more at larger blocks.
+    Split-V's stage 1 and the one-pass kernel keep `_launch_config`."""
+    return min(max(next_power_of_2(V), 32), 1024), 1
+
+
 def _grad_launch_config(V: int, elem_size: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the gradient kernel, an element-wise sweep (no reduction): about
     16 KB of logits per block (8192 bf16 / fp16, 4096 fp32), 16 warps for the largest blocks.
@@ -463,21 +474,23 @@ def row_stats_configs(
     *,
     tokens_dtype: torch.dtype = torch.int64,
     row_temp: bool = False,
+    shift: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launches of `row_stats` for N rows of V logits of `dtype` on a device with
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (_split_config;
-    `split_chunk` forces it as in row_stats); `row_temp`: a temperature per row (ROW_TEMP).
+    `split_chunk` forces it as in row_stats); `row_temp`: a temperature per row (ROW_TEMP);
+    `shift`: the one-program kernel also writes m and log s (STORE_SHIFT; split-V does not).
     Example arguments: logits (1, N, V) contiguous."""
     block, _ = _launch_config(V)
     splits, chunk = _split_config(N, V, block, device_sms, split_chunk)  # not cached: tests spy
-    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk, bool(row_temp))
+    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk, bool(row_temp), bool(shift))
 
 
 @functools.lru_cache(maxsize=256)
 def _row_stats_configs(
-    N, V, dtype, tokens_dtype, splits, chunk, row_temp
+    N, V, dtype, tokens_dtype, splits, chunk, row_temp, shift=False
 ) -> tuple[LaunchConfig, ...]:
-    block, num_warps = _launch_config(V)
+    block, num_warps = _stats_launch_config(V)
     logits = {"logits_ptr": Ptr(dtype)}
     shape = {"T": N, "V": V}
     strides = {"stride_logits_b": N * V, "stride_logits_t": V}
@@ -485,7 +498,8 @@ def _row_stats_configs(
     stats = {"logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "lse_ptr": Ptr(_F32)}
     tokens = {"tokens_ptr": Ptr(tokens_dtype)}
     if splits == 1:
-        args = {**logits, **tokens, **stats, **shape, **strides, **temp}
+        shifts = {"shift_ptr": Ptr(_F32), "log_s_ptr": Ptr(_F32)}
+        args = {**logits, **tokens, **stats, **shifts, **shape, **strides, **temp}
         return (
             config(
                 _token_stats_fwd_kernel,
@@ -493,10 +507,12 @@ def _row_stats_configs(
                 num_warps,
                 args,
                 ROW_TEMP=row_temp,
+                STORE_SHIFT=shift,
                 BLOCK_V=block,
                 options=EXACT_PRODUCTS,
             ),
         )
+    block, _ = _launch_config(V)
     block, num_warps = _launch_config(min(chunk, block))
     aligned = _partials_aligned(N, splits)
     parts = {f"part_{k}_ptr": Ptr(_F32, aligned or k == "m") for k in "msw"}
@@ -526,19 +542,25 @@ def row_grad_configs(
     *,
     tokens_dtype: torch.dtype = torch.int64,
     row_temp: bool = False,
+    has_shift: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launch of `row_grad_` for N rows of V logits of `dtype` (the gradient in the same
-    dtype), with or without h = dL/dH, with a scalar or (`row_temp`) a per-row temperature.
+    dtype), with or without h = dL/dH, with a scalar or (`row_temp`) a per-row temperature,
+    p_j from lse or (`has_shift`) from the statistics kernel's m and log s (HAS_SHIFT).
     Example arguments: logits and out (1, N, V) contiguous."""
     block, num_warps = _grad_launch_config(V, dtype.itemsize)
     args = {
         "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), "logp_ptr": Ptr(_F32),
         "lse_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "grad_logp_ptr": Ptr(_F32),
         "grad_entropy_ptr": Ptr(_F32),
-        "grad_ptr": Ptr(dtype), "T": N, "V": V, "stride_logits_b": N * V, "stride_logits_t": V,
-        "stride_grad_b": N * V, "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
+        "grad_ptr": Ptr(dtype), "shift_ptr": Ptr(_F32), "log_s_ptr": Ptr(_F32), "T": N, "V": V,
+        "stride_logits_b": N * V, "stride_logits_t": V, "stride_grad_b": N * V,
+        "stride_grad_t": V, "inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32),
     }  # fmt: skip
-    flags = {"ROW_TEMP": bool(row_temp), "HAS_GRAD_ENTROPY": bool(has_grad_entropy)}
+    flags = {
+        "ROW_TEMP": bool(row_temp), "HAS_GRAD_ENTROPY": bool(has_grad_entropy),
+        "HAS_SHIFT": bool(has_shift),
+    }  # fmt: skip
     return (
         config(
             _token_stats_bwd_kernel,
@@ -639,6 +661,7 @@ def row_stats(
     temperature,
     *,
     split_chunk: int | None = None,
+    shift: bool = False,
 ):
     """lse, logp and entropy of every row in one pass.
 
@@ -646,33 +669,38 @@ def row_stats(
     temperature a float tau, or a tensor (B, T) of per-row temperatures tau_t (ROW_TEMP).
     Returns (logp, entropy, lse), each fp32 (B, T). Few rows with a large V (decode) run the
     split-V kernels (see _split_config; `split_chunk` forces the choice: 0 = one program per
-    row, k > 0 = slices of k logits); both paths agree to fp32 rounding."""
+    row, k > 0 = slices of k logits); both paths agree to fp32 rounding. With `shift`, returns
+    (logp, entropy, lse, shifted): shifted = (m, log s) fp32 (B, T) of each row (lse = m +
+    log s), for row_grad_'s exact p_j, or None where split-V ran (row_grad_ then uses lse)."""
     B, T, V = logits.shape
     assert V == 1 or logits.stride(-1) == 1, "the V dimension of the logits must be contiguous"
     logp, entropy, lse = (
         torch.empty((B, T), dtype=torch.float32, device=logits.device) for _ in range(3)
     )
     N = B * T
+    done = (logp, entropy, lse)
     if N == 0:
-        return logp, entropy, lse
+        return (*done, None) if shift else done
     tokens = tokens.contiguous()
     inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
     cfgs = row_stats_configs(
         N, V, logits.dtype, _sm_count(logits.device), split_chunk, tokens_dtype=tokens.dtype,
-        row_temp=inv_rows is not None,
+        row_temp=inv_rows is not None, shift=shift,
     )  # fmt: skip
-    # (with a scalar temperature, `lse` stands in for the per-row pointer: never read)
+    # (with a scalar temperature, `lse` stands in for the per-row pointer: never read; without
+    # `shift`, it stands in for m and log s, never written)
     temp = (inv_temp, lse if inv_rows is None else inv_rows)
     strides = (logits.stride(0), logits.stride(1), *temp)
     if len(cfgs) == 1:
-        cfgs[0](logits, tokens, logp, entropy, lse, T, V, *strides)
-        return logp, entropy, lse
+        shifted = (torch.empty_like(lse), torch.empty_like(lse)) if shift else (lse, lse)
+        cfgs[0](logits, tokens, logp, entropy, lse, *shifted, T, V, *strides)
+        return (*done, shifted) if shift else done
     split, merge = cfgs
     splits, chunk = split.arg("SPLITS"), split.arg("CHUNK")
     part = torch.empty((3, N, splits), dtype=torch.float32, device=logits.device)
     split(logits, part[0], part[1], part[2], T, V, chunk, splits, *strides)
     merge(logits, tokens, part[0], part[1], part[2], logp, entropy, lse, T, V, splits, *strides)
-    return logp, entropy, lse
+    return (*done, None) if shift else done
 
 
 def row_grad_(
@@ -685,13 +713,15 @@ def row_grad_(
     grad_entropy: torch.Tensor | None,
     temperature,
     out: torch.Tensor,
+    shifted: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write dL/dz (SPEC 6) into `out` (B, T, V), which may be `logits` itself (in-place).
 
     logits (B, T, V); tokens, logp, lse, entropy (`row_stats`' outputs), grad_logp,
     grad_entropy (B, T) (fp32, the last two are g and h; grad_entropy None means h = 0);
     temperature a float tau or a (B, T) tensor of per-row tau_t (the one the statistics were
-    computed with). Returns `out`."""
+    computed with); shifted: None (p_j = exp(z'_j - lse)) or row_stats(shift=True)'s (m, log s)
+    (p_j = exp((z'_j - m) - log s): exact at any offset of the logits). Returns `out`."""
     B, T, V = logits.shape
     N = B * T
     if N == 0:
@@ -701,13 +731,14 @@ def row_grad_(
     inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
     (cfg,) = row_grad_configs(
         N, V, logits.dtype, grad_entropy is not None, tokens_dtype=tokens.dtype,
-        row_temp=inv_rows is not None,
+        row_temp=inv_rows is not None, has_shift=shifted is not None,
     )  # fmt: skip
     g = grad_logp.float().contiguous()
     h = g if grad_entropy is None else grad_entropy.float().contiguous()
     lse = lse.contiguous()
+    m, log_s = (lse, lse) if shifted is None else (t.contiguous() for t in shifted)
     cfg(
-        logits, tokens, logp.contiguous(), lse, entropy.contiguous(), g, h, out, T, V,
+        logits, tokens, logp.contiguous(), lse, entropy.contiguous(), g, h, out, m, log_s, T, V,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), inv_temp,
         lse if inv_rows is None else inv_rows,
     )  # fmt: skip
@@ -715,10 +746,15 @@ def row_grad_(
 
 
 def one_pass_enabled() -> bool:
-    """Whether a token-separable loss takes the one-pass kernel (`policy_rows_`); the
-    environment variable FASTRL_ONE_PASS=0 keeps the two-kernel path (stats, O(N) autograd,
-    gradient), for comparisons."""
-    value = os.environ.get("FASTRL_ONE_PASS", "1")
+    """Whether a token-separable loss takes the one-pass kernel (`policy_rows_`): only with the
+    environment variable FASTRL_ONE_PASS=1 (the A/B of the benchmarks). By default (unset or
+    0) it takes the statistics kernel, one O(N) kernel for every token's (g, h)
+    (policy_terms.token_grads) and the gradient kernel: measured faster on an H200
+    (benchmarks/results/bench_kernel_configs_cuda.json, commit c0e7779, N = 16384 bf16: the
+    one-pass kernel 4.40-4.54 ms at V = 151936 against 1.35 + 2.45 for the statistics and
+    gradient kernels, 0.90-0.93 at V = 32000 against 0.31 + 0.52; its second sweep of a row
+    comes from HBM, not L2)."""
+    value = os.environ.get("FASTRL_ONE_PASS", "0")
     if value not in ("0", "1"):
         raise ValueError(f"FASTRL_ONE_PASS must be 0 or 1, got {value!r}")
     return value == "1"
@@ -765,18 +801,26 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     `logits`) from (g, h) = grad_fn(logp, H) (temperature: a float, or a (B, T) tensor of per-row
     temperatures). `row_terms`: None, or (for a token-separable loss) a function returning its
     fastrl.terms.TokenGradTerms (or None where it has none): then one program per row does it
-    all (`policy_rows_`), unless the rows are few enough for split-V (decode-like shapes) or
-    FASTRL_ONE_PASS=0. Otherwise the stats
-    kernel, g and h (O(N) torch), then the gradient kernel (two reads of the logits).
+    all: the statistics kernel, (g, h) from one O(N) kernel (policy_terms.token_grads), the
+    gradient kernel; or, with FASTRL_ONE_PASS=1 and rows too many for split-V, one program per
+    row (`policy_rows_`). Otherwise (a sequence-level loss) the statistics kernel, g and h from
+    grad_fn (O(N) torch), then the gradient kernel. Either way the logits are read twice.
     `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
     as fastrl.chunked's."""
     B, T, V = logits.shape
-    if row_terms is not None and one_pass_enabled():
+    terms = None if row_terms is None else row_terms()
+    if terms is not None and one_pass_enabled():
         block, _ = _launch_config(V)
-        terms = row_terms() if _split_config(B * T, V, block, logits.device)[0] == 1 else None
-        if terms is not None:
+        if _split_config(B * T, V, block, logits.device)[0] == 1:
             return policy_rows_(logits, tokens, temperature, terms, out)
-    logp, entropy, lse = row_stats(logits, tokens, temperature)
-    g, h = grad_fn(logp, entropy)
-    row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out)
+    if terms is None:
+        logp, entropy, lse = row_stats(logits, tokens, temperature)
+        g, h = grad_fn(logp, entropy)
+        row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out)
+        return logp, entropy
+    # m and log s too: p_j = exp((z'_j - m) - log s), exact at any offset, as in one pass
+    logp, entropy, lse, shifted = row_stats(logits, tokens, temperature, shift=True)
+    g, h = token_grads(logp.reshape(-1), terms)
+    h = h if terms.entropy_coef != 0 else None  # (HAS_GRAD_ENTROPY off)
+    row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted)
     return logp, entropy

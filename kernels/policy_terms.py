@@ -6,9 +6,12 @@ with c_t = dloss / dL_t the aggregation weights (fastrl.terms.aggregation_weight
 
 * `_token_terms` (a helper, inlined): l_t's policy term, kl_t, r_t, the dual-clip indicator and
   dL_t / dlogp_t of one token, with autograd's conventions for fastrl.terms.token_terms (clamp
-  ends included, a tie of max / min split in half, nothing through the detached parts). The
-  one-pass logits kernel (`policy_loss._policy_loss_fwd_kernel`) takes its derivative; the
-  kernel below its values.
+  ends included, a tie of max / min split in half, nothing through the detached parts).
+  `_token_grads` takes its derivative; `_policy_terms_fwd_kernel` its values.
+* `_token_grads` (a helper, inlined): g_t = c_t dL_t/dlogp_t and h_t = -c_t c_H of a token from
+  its inputs; `_token_grads_fwd_kernel` (one program per BLOCK tokens, launcher `token_grads`)
+  forms them for every token between the statistics kernel and the gradient kernel of the
+  logits (kernels/policy_loss.py), the one-pass kernel inside its row programs.
 * `_policy_terms_fwd_kernel` (one program per BLOCK tokens): from logp and H (however they were
   computed) the per-token kl_t and r_t, and per program the partial sums of the loss
   sum_t c_t L_t and of the metrics' masked sums (sum_t m_t v_t over counted tokens, m_t > 0),
@@ -167,6 +170,99 @@ def _masked_total(v, m, counted):
     return tl.sum(tl.where(counted, v * m, 0.0), axis=0)
 
 
+@triton.jit
+def _token_grads(
+    offs,
+    inb,
+    logp,
+    weight_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    is_weight_ptr,
+    has_old,
+    has_is,
+    policy,
+    ratio_lo,
+    ratio_hi,
+    has_dual,
+    clip_dual,
+    clip_delta,
+    kl_coef,
+    kl_est,
+    kl_bias,
+    entropy_coef,
+    sapo_tau_pos,
+    sapo_tau_neg,
+):
+    # (g, h) of the tokens at offs (one row index, or a block of them; inb: which exist):
+    # g_t = c_t dL_t/dlogp_t (_token_terms' derivative) and h_t = dloss/dH_t = -c_t c_H, what
+    # the gradient sweep of a row needs. An uncounted token (c_t = 0) gets g = 0 exactly, even
+    # where its logp is NaN (0 * NaN); a counted one with a NaN logp (a NaN / +inf logit in its
+    # row) gets g = NaN, so its row's gradient is NaN (the clamp's derivative would give g = 0,
+    # and g = h = 0 writes zeros).
+    c = tl.load(weight_ptr + offs, mask=inb, other=0.0)
+    adv = tl.load(adv_ptr + offs, mask=inb, other=0.0)
+    old = logp
+    if has_old != 0:
+        old = tl.load(old_ptr + offs, mask=inb, other=0.0)
+    ref = logp
+    if kl_est >= 0:
+        ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
+    is_weight = tl.zeros_like(c) + 1.0
+    if has_is != 0:
+        is_weight = tl.load(is_weight_ptr + offs, mask=inb, other=1.0)
+    _, dloss, _, _, _ = _token_terms(
+        logp, adv, old, ref, is_weight, policy, ratio_lo, ratio_hi, has_dual, clip_dual,
+        clip_delta, kl_coef, kl_est, kl_bias, sapo_tau_pos, sapo_tau_neg,
+    )  # fmt: skip
+    g = c * dloss
+    g = tl.where(c != 0.0, tl.where(logp != logp, float("nan"), g), 0.0)
+    return g, -c * entropy_coef
+
+
+@triton.jit(do_not_specialize=SWITCHES)  # one binary for every option (a 1 is not a constant)
+def _token_grads_fwd_kernel(
+    logp_ptr,  # (N,) fp32: logp_t (from the statistics kernel)
+    weight_ptr,  # (N,) fp32: c_t = dloss / dL_t (0 where the mask is 0)
+    adv_ptr,  # (N,) fp32: A_t
+    old_ptr,  # (N,) fp32: old_logp (read only when has_old)
+    ref_ptr,  # (N,) fp32: ref_logp (read only when kl_est >= 0)
+    is_weight_ptr,  # (N,) fp32: rollout IS weight w_t, detached (read only when has_is)
+    g_ptr,  # (N,) fp32 out: g_t = dloss / dlogp_t
+    h_ptr,  # (N,) fp32 out: h_t = dloss / dH_t = -c_t entropy_coef
+    N,
+    has_old,  # 0: pi_old = pi (r = 1)
+    has_is,  # 0: w_t = 1
+    policy,  # POLICY_CODES
+    ratio_lo,  # 1 - clip_low
+    ratio_hi,  # 1 + clip_high
+    has_dual,  # 0: no dual clip
+    clip_dual,
+    clip_delta,  # +inf: none
+    kl_coef,
+    kl_est,  # KL_CODES; -1: no KL term
+    kl_bias,  # 1: kl * r (token-level bias correction)
+    entropy_coef,
+    sapo_tau_pos,
+    sapo_tau_neg,
+    BLOCK: tl.constexpr,
+):
+    # Grid (cdiv(N, BLOCK),): between the statistics kernel and the gradient kernel of a
+    # token-separable loss, every token's (g_t, h_t) in one launch (the per-token autograd of
+    # fastrl/terms.py takes dozens of small launches on a GPU).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < N
+    logp = tl.load(logp_ptr + offs, mask=inb, other=0.0)
+    g, h = _token_grads(
+        offs, inb, logp, weight_ptr, adv_ptr, old_ptr, ref_ptr, is_weight_ptr, has_old, has_is,
+        policy, ratio_lo, ratio_hi, has_dual, clip_dual, clip_delta, kl_coef, kl_est, kl_bias,
+        entropy_coef, sapo_tau_pos, sapo_tau_neg,
+    )  # fmt: skip
+    tl.store(g_ptr + offs, g, mask=inb)
+    tl.store(h_ptr + offs, h, mask=inb)
+
+
 @triton.jit(do_not_specialize=SWITCHES)  # one binary for every option (a 1 is not a constant)
 def _policy_terms_fwd_kernel(
     logp_ptr,  # (N,) fp32: logp_t
@@ -298,3 +394,49 @@ def policy_terms(logp, entropy, mask, terms):
     if G == 1:
         return kl, ratio, sums[0], top[0]
     return kl, ratio, sums.sum(0), top.amax()
+
+
+@functools.lru_cache(maxsize=64)
+def token_grads_configs(N: int) -> tuple[LaunchConfig, ...]:
+    """The launch of `token_grads` on N tokens: one program per _TERMS_BLOCK tokens (at least
+    one). Example arguments: contiguous fp32 inputs, a ppo loss with every per-token input."""
+    names = ("logp_ptr", "weight_ptr", "adv_ptr", "old_ptr", "ref_ptr", "is_weight_ptr", "g_ptr",
+             "h_ptr")  # fmt: skip
+    args = {
+        **{k: Ptr(_F32) for k in names}, "N": N, "has_old": 1, "has_is": 1, "policy": 0,
+        "ratio_lo": 0.8, "ratio_hi": 1.2, "has_dual": 1, "clip_dual": 3.0,
+        "clip_delta": float("inf"), "kl_coef": 0.04, "kl_est": 3, "kl_bias": 0,
+        "entropy_coef": 0.01, "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05,
+    }  # fmt: skip
+    grid = (max(1, cdiv(N, _TERMS_BLOCK)),)
+    return (
+        config(_token_grads_fwd_kernel, grid, 4, args, BLOCK=_TERMS_BLOCK, options=EXACT_PRODUCTS),
+    )
+
+
+def token_grads(logp, terms):
+    """(g, h) fp32 (N,): g_t = dloss / dlogp_t and h_t = dloss / dH_t = -c_t entropy_coef of a
+    token-separable loss, from logp fp32 (N,) contiguous and `terms` (a
+    fastrl.terms.TokenGradTerms of the same N tokens), in one launch: what the gradient kernel
+    of the logits needs (the one-pass kernel forms the same values inside its row programs)."""
+    N = logp.numel()
+    g, h = (
+        torch.empty(N, dtype=_F32, device=logp.device),
+        torch.empty(N, dtype=_F32, device=logp.device),
+    )
+    if N == 0:
+        return g, h
+    (cfg,) = token_grads_configs(N)
+    with_kl = terms.kl_coef != 0 and terms.ref_logp is not None
+    per_token = (terms.old_logp, terms.ref_logp if with_kl else None, terms.is_weight)
+    old, ref, is_weight = (logp if t is None else t for t in per_token)  # logp: never read
+    cfg(
+        logp, terms.weight, terms.advantages, old, ref, is_weight, g, h, N,
+        int(terms.old_logp is not None), int(terms.is_weight is not None),
+        POLICY_CODES[terms.policy], 1.0 - terms.clip_low, 1.0 + terms.clip_high,
+        int(terms.clip_dual is not None), 0.0 if terms.clip_dual is None else terms.clip_dual,
+        float("inf") if terms.clip_delta is None else terms.clip_delta, terms.kl_coef,
+        KL_CODES[terms.kl_estimator if with_kl else None], int(terms.kl_bias_correction),
+        terms.entropy_coef, terms.sapo_tau_pos, terms.sapo_tau_neg,
+    )  # fmt: skip
+    return g, h

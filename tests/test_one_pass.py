@@ -1,9 +1,11 @@
-"""The one-pass Triton kernel of a token-separable policy loss (`_policy_loss_fwd_kernel`): one
-program per row computes the row's statistics, g_t = c_t dL_t/dlogp_t from SPEC 1-4's derivative
-written in the kernel, and the gradient. Checked in Triton's interpreter against the fp32
-reference and against the two-kernel path (FASTRL_ONE_PASS=0: statistics, autograd of
-fastrl.terms, gradient), over every policy, KL estimator and option it serves, with log-ratios
-spread across every clip region; and which kernels each case launches.
+"""The two Triton paths of a token-separable policy loss. By default: the statistics kernel,
+g_t = c_t dL_t/dlogp_t and h_t for every token in one O(N) kernel (`_token_grads_fwd_kernel`,
+SPEC 1-4's derivative written in the kernel), the gradient kernel. With FASTRL_ONE_PASS=1: the
+one-pass kernel (`_policy_loss_fwd_kernel`), one program per row doing all three. Both checked in
+Triton's interpreter against the fp32 reference and against each other, over every policy, KL
+estimator and option they serve, with log-ratios spread across every clip region; and which
+kernels each case launches (a sequence-level loss: statistics, autograd of fastrl.terms,
+gradient).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def _inputs(batch, case):
 
 def _both_paths(batch, monkeypatch, **kw):
     """run_both (fused and reference outputs, gradients) with the one-pass kernel, then with
-    the two-kernel path."""
+    the default path (statistics, token_grads, gradient)."""
     monkeypatch.setenv("FASTRL_ONE_PASS", "1")
     one = run_both(batch, **kw)
     monkeypatch.setenv("FASTRL_ONE_PASS", "0")
@@ -93,7 +95,11 @@ def test_one_pass_matches_reference_and_two_pass(case, monkeypatch, launched):
     torch.testing.assert_close(one[2], two[2], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(one[0].loss, two[0].loss, rtol=1e-6, atol=1e-7)
     names = {name for name, *_ in launched}
-    assert "_policy_loss_fwd_kernel" in names and "_token_stats_bwd_kernel" in names
+    assert {
+        "_policy_loss_fwd_kernel",
+        "_token_grads_fwd_kernel",
+        "_token_stats_bwd_kernel",
+    } <= names
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -129,9 +135,10 @@ def test_one_pass_on_policy_and_packed(monkeypatch):
 
 
 def test_which_kernels_run(monkeypatch, launched):
-    """The one-pass kernel for token-separable losses with many rows; the two-kernel path for
-    sequence-level options (GSPO), rollout IS without old_logp (its weight depends on logp),
-    split-V shapes (few rows, a long vocabulary) and FASTRL_ONE_PASS=0."""
+    """Token-separable losses: statistics, token_grads, gradient (with FASTRL_ONE_PASS=1 the
+    one-pass kernel, except at split-V shapes: few rows, a long vocabulary); statistics, torch
+    O(N) autograd, gradient for sequence-level options (GSPO) and rollout IS without old_logp
+    (its weight depends on logp)."""
     monkeypatch.setenv("FASTRL_BACKEND", "triton")
     batch, _ = _inputs(_batch(), "grpo")
 
@@ -147,9 +154,14 @@ def test_which_kernels_run(monkeypatch, launched):
     terms = ["_policy_terms_fwd_kernel"]
     one_pass = ["_policy_loss_fwd_kernel", *terms]
     two_pass = ["_token_stats_fwd_kernel", "_token_stats_bwd_kernel"]
-    assert kernels(batch, config="grpo") == one_pass
+    default = ["_token_stats_fwd_kernel", "_token_grads_fwd_kernel", "_token_stats_bwd_kernel"]
+    assert kernels(batch, config="grpo") == default + terms
     x, tokens = batch["logits"].clone().requires_grad_(), batch["tokens"]
-    expected = PL.policy_rows_configs(24, 37, torch.float32, False) + PT.policy_terms_configs(24)
+    expected = (
+        PL.row_stats_configs(24, 37, torch.float32, shift=True) + PT.token_grads_configs(24)
+        + PL.row_grad_configs(24, 37, torch.float32, False, has_shift=True)
+        + PT.policy_terms_configs(24)
+    )  # fmt: skip
     launched.clear()
     fastrl.policy_loss(x, tokens, batch["advantages"], batch["old_logp"], config="dapo")
     assert launched == _as_launched(expected)
@@ -157,26 +169,39 @@ def test_which_kernels_run(monkeypatch, launched):
     rollout = {k: v for k, v in _batch().items() if k != "old_logp"}
     assert kernels(rollout, config="grpo", rollout_is="token") == two_pass + terms
     monkeypatch.setenv("FASTRL_ONE_PASS", "0")
-    assert kernels(batch, config="grpo") == two_pass + terms
+    assert kernels(batch, config="grpo") == default + terms
     monkeypatch.setenv("FASTRL_ONE_PASS", "1")
-    decode = make_batch(1, 2, 70000)  # 2 rows of 70000: split-V
-    assert kernels(decode, config="grpo")[0] == "_token_stats_split_fwd_kernel"
+    assert kernels(batch, config="grpo") == one_pass
+    expected = PL.policy_rows_configs(24, 37, torch.float32, False) + PT.policy_terms_configs(24)
+    launched.clear()
+    fastrl.policy_loss(x, tokens, batch["advantages"], batch["old_logp"], config="dapo")
+    assert launched == _as_launched(expected)
+    decode = make_batch(1, 2, 70000)  # 2 rows of 70000: split-V, then token_grads
+    names = kernels(decode, config="grpo")
+    assert names[0] == "_token_stats_split_fwd_kernel" and "_token_grads_fwd_kernel" in names
     monkeypatch.setenv("FASTRL_ONE_PASS", "yes")
     with pytest.raises(ValueError, match="FASTRL_ONE_PASS"):
         kernels(batch, config="grpo")
 
 
 def test_lm_head_path_runs_one_pass(monkeypatch, launched):
-    """fused_linear_policy_loss on Triton: one one-pass launch per chunk of rows, the same
-    result as the two-kernel path."""
+    """fused_linear_policy_loss on Triton with FASTRL_ONE_PASS=1: one one-pass launch per chunk
+    of rows, the same result as the reference (and by default the three kernels per chunk)."""
     from test_fused_linear import compare
     from test_fused_linear import make as make_linear
 
     monkeypatch.setenv("FASTRL_BACKEND", "triton")
     batch = make_linear(B=2, T=5, H=8, V=37)
+    monkeypatch.setenv("FASTRL_ONE_PASS", "1")
     compare(batch, chunk_size=4, config="dapo", entropy_coef=0.01, kl_coef=0.05)
     names = [name for name, *_ in launched if name != "_scale_grad_kernel"]
     assert names and set(names) == {"_policy_loss_fwd_kernel", "_policy_terms_fwd_kernel"}
+    monkeypatch.delenv("FASTRL_ONE_PASS")
+    launched.clear()
+    compare(batch, chunk_size=4, config="dapo", entropy_coef=0.01, kl_coef=0.05)
+    names = {name for name, *_ in launched if name != "_scale_grad_kernel"}
+    assert names == {"_token_stats_fwd_kernel", "_token_grads_fwd_kernel",
+                     "_token_stats_bwd_kernel", "_policy_terms_fwd_kernel"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kw", [dict(config="dapo"), dict(kl_coef=0.1, kl_estimator="k1")])
