@@ -45,17 +45,20 @@ GEMM = "GEMM (cuBLAS)"
 OPS = {
     "policy_loss fwd + bwd": (
         [
-            ("row statistics, then dL/dz, one program per row (forward)", ONE_PASS, 2, 1),
+            ("row statistics (forward)", STATS, 1, 0),
+            ("dL/dz (forward: g, h from one O(N) kernel)", GRAD, 1, 1),
             ("x grad_output (backward; skipped when it is 1)", SCALE, 0, 0),
         ],
         (1, 1),
-        "the one-pass kernel's second sweep of a row from L2: an H200 measured the L2-sized "
-        "persistent grid slower than a program per row (DESIGN, step 2); a row held on chip "
-        "(a thread-block cluster) is what is left",
+        "a row's second read from L2: an H200 measured the one-pass kernel (FASTRL_ONE_PASS=1, "
+        "both sweeps in one program) slower than these two kernels, its second sweep from HBM "
+        "too, and its L2-sized persistent grid slower still (DESIGN, step 2); a row held on "
+        "chip (a thread-block cluster) is what is left",
     ),
     "policy_loss fwd + bwd, grad_output != 1": (
         [
-            ("row statistics, then dL/dz (forward)", ONE_PASS, 2, 1),
+            ("row statistics (forward)", STATS, 1, 0),
+            ("dL/dz (forward)", GRAD, 1, 1),
             ("x grad_output (backward)", SCALE, 1, 1),
         ],
         (1, 1),
@@ -64,7 +67,7 @@ OPS = {
     "policy_loss fwd + bwd, sequence-level (GSPO, sequence IS)": (
         [
             ("row statistics (forward)", STATS, 1, 0),
-            ("dL/dz (forward: g, h from every row)", GRAD, 1, 1),
+            ("dL/dz (forward: g, h from every row, torch)", GRAD, 1, 1),
         ],
         (2, 1),
         "at the floor: g needs every row's statistics first",
@@ -87,13 +90,13 @@ OPS = {
     "fused_linear_policy_loss (logits by chunks)": (
         [
             ("logits = h W^T", GEMM, 0, 1),
-            ("row statistics, then dL/dz in place, one program per row", ONE_PASS, 2, 1),
+            ("row statistics", STATS, 1, 0),
+            ("dL/dz in place", GRAD, 1, 1),
             ("dX = dz W", GEMM, 1, 0),
             ("dW += dz^T X", GEMM, 1, 0),
         ],
         (3, 2),
-        "the one-pass kernel's second sweep from L2 (as policy_loss); a chunk held in L2 "
-        "would go below",
+        "a row's second read from L2 (as policy_loss); a chunk held in L2 would go below",
     ),
     "linear_logprobs fwd + bwd": (
         [
@@ -179,14 +182,20 @@ def byte_budget() -> dict:
     }
 
 
-# The launches whose row sweeps are tabulated: (what, launcher function, arguments), at the
+# The launches whose row sweeps are tabulated: (what, launcher function, arguments; a dict last:
+# keyword arguments), at the
 # byte budget's shape (N rows of V bf16 logits; the sampler at decode, 256 rows)
 SWEEP_LAUNCHES = [
     ("logprobs, no grad (statistics)", "row_stats_configs", (N, V, "bf16", SMS)),
-    ("policy_loss, one pass", "policy_rows_configs", (N, V, "bf16", False)),
+    ("policy_loss, one pass (FASTRL_ONE_PASS=1)", "policy_rows_configs", (N, V, "bf16", False)),
     ("policy_loss, one pass, entropy bonus", "policy_rows_configs", (N, V, "bf16", True)),
     ("logprobs backward (gradient)", "row_grad_configs", (N, V, "bf16", False)),
     ("logprobs backward, entropy term", "row_grad_configs", (N, V, "bf16", True)),
+    (
+        "policy_loss gradient (m, log s)",
+        "row_grad_configs",
+        (N, V, "bf16", False, {"has_shift": True}),
+    ),
     ("sample (Gumbel-max)", "sample_rows_configs", (N, V, "bf16", False, SMS)),
     # an odd vocabulary (GPT-2's): a row stride that is no multiple of 16, unaligned rows
     ("sample, V = 50257 (unaligned rows)", "sample_rows_configs", (N, 50257, "bf16", False, SMS)),
@@ -213,7 +222,8 @@ def sweep_costs(report: dict) -> list[dict]:
     rows = []
     for what, fn, args in SWEEP_LAUNCHES:
         n, v, dt, *rest = args
-        for cfg in funcs[fn](n, v, dtypes[dt], *rest):
+        kw = rest.pop() if rest and isinstance(rest[-1], dict) else {}  # keyword arguments
+        for cfg in funcs[fn](n, v, dtypes[dt], *rest, **kw):
             r = index.get((cfg.name, json.dumps(dict(cfg.constexprs)), cfg.num_warps, f"*{dt}"))
             if r is None:
                 raise RuntimeError(f"{what}: {cfg.name} is not in the compile check's results")

@@ -129,3 +129,25 @@ def test_cli_reads_the_folder_and_its_summary(cuda_results):
     bad = subprocess.run([sys.executable, str(script), "--results", str(missing)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and f"--results {missing}: no such folder" in bad.stderr
+
+
+def test_the_sampler_kernel_is_graded_at_many_rows_from_the_kernel_sweep(cuda_results):
+    """Item 4 also reads bench_kernel_configs' sampler rows chosen by the launcher ("default")
+    at more than 256 rows (the sample bench's decode call is bound by its launch): GB/s against
+    the file's peak; the swept configurations and the 256-row row grade nothing."""
+    rows = [
+        dict(kind="sample", V=151936, config="N=256 default", GBs=400.0),
+        dict(kind="sample", V=151936, config="N=4096 BLOCK_V=1024 warps=1", GBs=4700.0),
+        dict(kind="sample", V=151936, config="N=4096 default", GBs=3900.0),
+        dict(kind="sample", V=32000, config="N=4096 default", GBs=2400.0),
+        dict(kind="stats", V=151936, config="BLOCK_V=1024 warps=1 stages=default", GBs=4000.0),
+    ]
+    meta = {"device": "cuda", "peak_bandwidth_GBs": 4800.0}
+    path = cuda_results / "bench_kernel_configs_cuda.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    graded = [r for r in gpu_targets.grade(cuda_results) if r["file"] == path.name]
+    assert [(r["case"], r["verdict"]) for r in graded] == [
+        ("N=4096 V=151936 bf16, the kernel", "met"),
+        ("N=4096 V=32000 bf16, the kernel", "missed"),
+    ]
+    assert [r["value"] for r in graded] == pytest.approx([81.25, 50.0])
