@@ -48,15 +48,17 @@ def _lse_merge(m, s, w, part_m, part_s, part_w):
     # m - m_new overflows to -inf for finite logits near -+3.4e38; clamped to the lowest finite
     # fp32 (-3.4028234663852886e38) so that a = 0 multiplies a finite number (0 * -inf would be
     # NaN), as the torch path does
+    # A set whose scale a underflows to 0 adds exactly 0: its s * d can still overflow to -inf
+    # (s > 1 terms at d near -3.4e38), and 0 * -inf would be NaN
     d = tl.maximum(tl.where(old, m - m_safe, 0.0), -3.4028234663852886e38)
     a = tl.where(old, tl.exp(d), 0.0)
-    w = a * (w + s * d)
+    w = tl.where(a > 0.0, a * (w + s * d), 0.0)
     s = a * s
     live = part_m > float("-inf")
     part_d = tl.maximum(tl.where(live, part_m - m_safe, 0.0), -3.4028234663852886e38)
     part_a = tl.where(live, tl.exp(part_d), 0.0)
     s += tl.sum(part_a * part_s, axis=0)
-    w += tl.sum(part_a * (part_w + part_s * part_d), axis=0)
+    w += tl.sum(tl.where(part_a > 0.0, part_a * (part_w + part_s * part_d), 0.0), axis=0)
     return m_new, s, w
 
 

@@ -9,6 +9,7 @@
   so z' = z / τ is exact in fp32 and the float64 reference is the exact answer on every backend.
 """
 
+import math
 import os
 
 import pytest
@@ -104,6 +105,28 @@ def test_token_stats_nonfinite_rows(device, chunk):
     z = logits[0, 3, 250:].double()
     torch.testing.assert_close(entropy[0, 3].double(), entropy64(z), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(logp[0, 3].double(), torch.log_softmax(z, -1)[10])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_merge_at_spreads_near_the_fp32_range(device):
+    """Slices whose maxima are 6e38 apart: the lower slice's scale underflows to 0 while its
+    s * (m_k - m) overflows to -inf (clamped d ~ -3.4e38 times 32 terms), and the merge's
+    0 * -inf made H NaN on the split path only (softmax._lse_merge). Both paths now give
+    H = log 32 (the 32 equal top logits), as float64 does; the sampler's merge too."""
+    logits = torch.empty(2, 1, 64, device=device)
+    logits[0, 0, :32], logits[0, 0, 32:] = -3e38, 3e38
+    logits[1, 0, :32], logits[1, 0, 32:] = 3e38, -3e38  # the top slice first
+    tokens = torch.tensor([[40], [3]], device=device)
+    for chunk in (0, 32):
+        logp, entropy, lse = row_stats(logits, tokens, 1.0, split_chunk=chunk)
+        want = torch.full((2, 1), math.log(32))
+        torch.testing.assert_close(entropy.cpu(), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logp.cpu(), -want, rtol=1e-6, atol=1e-6)
+    seed = torch.tensor([5], dtype=torch.int64, device=device)
+    for chunk in (0, 32):
+        tokens, logp, entropy = sample_rows(logits[:, 0], seed, 1.0, False, split_chunk=chunk)
+        assert ((tokens >= 32) == torch.tensor([True, False], device=device)).all(), tokens
+        torch.testing.assert_close(entropy.cpu(), torch.full((2,), math.log(32)))
 
 
 @needs_interpreter
