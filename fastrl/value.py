@@ -70,7 +70,8 @@ def value_loss(
     What the mask excludes never reaches the loss, the clip fraction or the gradient: values,
     old_values and returns at tokens with m = 0 are replaced by 0 (torch.where), so a NaN / inf
     there changes nothing and the gradient there is exactly 0. A float mask must hold values
-    >= 0 (no NaN): checked, with a ValueError naming `mask`, on CPU tensors."""
+    >= 0 (no NaN): checked, with a ValueError naming `mask`, on CPU tensors. The mask is a
+    constant: no gradient reaches it, even where it requires one."""
     check_float("values", values, "shape (B, T) or (N,)")
     if values.dim() not in (1, 2):
         raise ValueError(
@@ -97,7 +98,7 @@ def value_loss(
     if mask is None:
         m = torch.ones_like(v)
     else:
-        m = mask.reshape(v.shape).float()
+        m = mask.detach().reshape(v.shape).float()  # a constant, as in every policy loss
         counted = m > 0  # entries with m = 0 never reach the result (not even a NaN there)
         v = torch.where(counted, v, 0.0)
         v_old = torch.where(counted, v_old, 0.0)

@@ -67,10 +67,10 @@ def test_inputs_that_require_grad_are_constants(engine):
 
 
 def test_a_mask_that_requires_grad_is_a_constant():
-    """A float mask that requires grad gets no gradient from any loss or LM-head op, and the
-    fused ops see a detached one (no autograd warning "an autograd kernel was not registered",
-    which used to drop the mask's gradient silently while policy_loss_from_logprobs
-    differentiated through it)."""
+    """A float mask that requires grad gets no gradient from any loss (value_loss too) or LM-head
+    op, and the fused ops see a detached one (no autograd warning "an autograd kernel was not
+    registered", which used to drop the mask's gradient silently while
+    policy_loss_from_logprobs differentiated through it)."""
     b = batch()
     logits, tokens, adv = b["logits"], b["tokens"], b["advantages"]
     mask = torch.rand(tokens.shape).requires_grad_()
@@ -86,6 +86,7 @@ def test_a_mask_that_requires_grad_is_a_constant():
         lambda m: fastrl.policy_loss_from_logprobs(lp, None, adv, b["old_logp"], mask=m).loss,
         lambda m: fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, mask=m).loss,
         lambda m: fastrl.linear_logprobs(hidden, weight, tokens, mask=m).sum(),
+        lambda m: fastrl.value_loss(lp * 1.0, b["old_logp"], b["old_logp"] + 0.3, mask=m)[0],
     ]  # fmt: skip
     for call in calls:
         with warnings.catch_warnings():
