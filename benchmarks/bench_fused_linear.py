@@ -19,7 +19,8 @@ Rows (methods):
                         then TRL's GRPO math in plain torch: fastrl as the log-prob op under a
                         trainer's own loss
   fastrl-fused-linear   fastrl.fused_linear_policy_loss(...): per row chunk one GEMM for the
-                        logits, the loss terms and dL/dz in one pass, then the two gradient GEMMs
+                        logits, the loss terms and dL/dz (ops.stats_and_grad_), then the two
+                        gradient GEMMs
   gemm-floor            the three bare GEMMs of the same shapes and dtype, timed together:
                         h @ W.T -> (N, V), g @ W -> (N, H), g.T @ h -> (V, H), outputs
                         preallocated (its peak memory is therefore ~0 and not comparable): the

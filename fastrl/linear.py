@@ -12,7 +12,8 @@ recomputes each chunk's logits once: dz (SPEC 6 from the upstream g = dL/dlogp, 
 then dX = dz W and dW += dz^T X (4 GEMMs per chunk in all; the upstream gradient is not known
 in the forward). `fused_linear_policy_loss` knows its per-token gradient in the forward when
 the loss is token-separable (`terms.is_token_separable`): per chunk ONE logits GEMM, the
-statistics and dz in one pass (fastrl.ops.stats_and_grad_), then dX and dW: three GEMMs, no
+statistics and dz (fastrl.ops.stats_and_grad_: one pass on the CPU, two sweeps of the chunk on
+the GPU), then dX and dW: three GEMMs, no
 recompute. Sequence-level options (GSPO ratio, sequence IS weights) take two phases (statistics
 of every chunk, then the per-token gradient, then the logits again: four GEMMs).
 
@@ -288,8 +289,8 @@ def fused_linear_policy_loss(
     do no GEMM
     work (their logp / entropy are reported as 0). With a token-separable config the
     gradient is computed in the forward: per chunk of rows one logits GEMM, the loss statistics
-    and dL/dz in one pass, then dX = dz W and dW += dz^T X (three GEMMs, no recompute); the
-    backward scales those gradients by the upstream gradient (no pass when it is 1).
+    and dL/dz (fastrl.ops.stats_and_grad_), then dX = dz W and dW += dz^T X (three GEMMs, no
+    recompute); the backward scales those gradients by the upstream gradient (no pass when it is 1).
     Sequence-level options (GSPO ratio, sequence IS weights) take two phases (four GEMMs).
     Returns the same PolicyLossOutput as `policy_loss` (loss differentiable w.r.t. hidden,
     weight and bias).

@@ -96,7 +96,8 @@ def policy_loss(
     token's own, with a temperature tensor); per-token
     L_t = w_t l_t + beta kl_t - c_H H_t, aggregated by `config.agg`; the gradient is
     dloss/dz_tj = (1/tau)[g_t (1[j=y_t] - p_tj) - h_t p_tj (log p_tj + H_t)], g = dloss/dlogp,
-    h = dloss/dH, written by one pass over the logits in the forward (the backward only scales it
+    h = dloss/dH, written in the forward (one pass over the logits on the CPU, a statistics and a
+    gradient sweep on the GPU; the backward only scales it
     by the upstream gradient, with no pass at all when that is 1).
 
     Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like

@@ -344,8 +344,9 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     or its rows of a chunk).
     The backend's `stats_and_grad_` does the passes: one exp per logit on the torch path, in one
     pass over the logits when the loss is token-separable (then it finishes rows chunk by chunk
-    with `rows_grads`); on Triton, the one-pass kernel from `row_terms` (token-separable), else
-    the stats and gradient kernels."""
+    with `rows_grads`); on Triton the statistics kernel, (g, h) from one O(N) kernel of
+    `row_terms` (token-separable; else from grad_fn, torch) and the gradient kernel, or with
+    FASTRL_ONE_PASS=1 the one-pass kernel."""
     from .terms import aggregation_weights, is_token_separable, token_grad_terms
 
     def grad_fn(lp, ent):  # (g, h) of every row
@@ -360,7 +361,7 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     rows_grads = row_terms = None
     if is_token_separable(x.config):
 
-        def row_terms():  # the loss as the Triton one-pass kernel takes it
+        def row_terms():  # the loss as the Triton kernels take it (token_grads, one pass)
             return token_grad_terms(x, every_weight())
 
         def rows_grads():  # (g, h) of rows r0:r1 alone, from their weights c_t = dloss/dL_t

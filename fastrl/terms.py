@@ -272,9 +272,10 @@ def rollout_is_weights(
 
 @dataclass(frozen=True)
 class TokenGradTerms:
-    """A token-separable policy loss as the Triton kernels take it (the one-pass kernel,
-    fastrl.kernels.policy_loss.policy_rows_, for its gradient; kernels.policy_terms for its value
-    and metrics): loss = sum_t c_t L_t(logp_t, H_t), so g_t and h_t follow from each row alone.
+    """A token-separable policy loss as the Triton kernels take it (kernels.policy_terms:
+    token_grads, or the one-pass kernel policy_loss.policy_rows_, for its gradient;
+    policy_terms for its value and metrics): loss = sum_t c_t L_t(logp_t, H_t), so g_t and
+    h_t follow from each row alone.
     Per-token tensors fp32 (N,) contiguous on the logits' device; the constants under
     LossConfig's names (SPEC 1-5)."""
 
@@ -438,9 +439,9 @@ def policy_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs):
 
     Everything here is O(B*T): the (N, V) logits only enter through logp and H, so this one
     function serves both the eager reference (logp, H from log_softmax) and the fused path (logp,
-    H from the one-pass kernel, whose backward turns g = dloss/dlogp and h = dloss/dH into the
-    logits gradient). The hand-computed tests of SPEC's tables check it independently. No host
-    sync: metrics stay tensors."""
+    H from the statistics kernel or pass, whose g = dloss/dlogp and h = dloss/dH the gradient
+    sweep turns into the logits gradient). The hand-computed tests of SPEC's tables check it
+    independently. No host sync: metrics stay tensors."""
     loss, kl, _, metrics = _terms_and_metrics(logp, entropy, x)
     return loss, kl, metrics
 

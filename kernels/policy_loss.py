@@ -18,7 +18,9 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
   SPEC 6's gradient
       dL/dz_j = (1/tau) * [ g * (1[j = y] - p_j) - h * p_j * (log p_j + H) ]
   with g = dL/dlogp and h = dL/dH of that row (from `policy_terms.token_grads` for a
-  token-separable loss, else autograd of the O(N) per-token terms), p_j from the stored lse and p_y from the stored logp (exact for a nearly one-hot row:
+  token-separable loss, else autograd of the O(N) per-token terms), p_j from the stored lse
+  (or, HAS_SHIFT, from the stored m and log s: exp((z'_j - m) - log s), exact at any offset)
+  and p_y from the stored logp (exact for a nearly one-hot row:
   `_row_grad_store`). A row with g = h = 0 (a masked token) writes zeros without reading its
   logits.
 * `_policy_loss_fwd_kernel` (one program per row; FASTRL_ROWS_IN_FLIGHT makes the grid
@@ -195,6 +197,8 @@ def _token_stats_merge_fwd_kernel(
     logp_ptr,  # (B * T,) fp32 out: z'_y - lse
     entropy_ptr,  # (B * T,) fp32 out: log s - w / s
     lse_ptr,  # (B * T,) fp32 out: m + log s
+    shift_ptr,  # (B * T,) fp32 out: m (written only when STORE_SHIFT)
+    log_s_ptr,  # (B * T,) fp32 out: log s (written only when STORE_SHIFT)
     T,
     V,
     SPLITS,
@@ -203,6 +207,7 @@ def _token_stats_merge_fwd_kernel(
     inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
     inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
     ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
+    STORE_SHIFT: tl.constexpr,  # also write m and log s (as _token_stats_fwd_kernel)
     BLOCK_S: tl.constexpr,
 ):
     # split-V stage 2, grid (B * T,): the log-sum-exp merge (softmax._lse_merge_partials) of a
@@ -218,9 +223,12 @@ def _token_stats_merge_fwd_kernel(
         m, s, w, n_nan = _lse_merge_partials(
             m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + k, k < SPLITS
         )
-    _token_stats_store(
+    _, _, _, log_s = _token_stats_store(
         row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
     )
+    if STORE_SHIFT:
+        tl.store(shift_ptr + row, m)
+        tl.store(log_s_ptr + row, log_s)
 
 
 @triton.jit
@@ -420,8 +428,9 @@ _F32 = torch.float32
 
 def _launch_config(V: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of a sweep that folds each block of a row into running row
-    statistics (the statistics kernels, split-V's first stage, the one-pass kernel): blocks of
-    2048 elements, 2 warps (32 elements a thread), blocks of 1 warp for short rows.
+    statistics in split-V's first stage and the one-pass kernel (the statistics kernel with one
+    program per row takes `_stats_launch_config`, measured since): blocks of 2048 elements, 2
+    warps (32 elements a thread), blocks of 1 warp for short rows.
 
     Chosen on an H200 (benchmarks/results/bench_kernel_configs_cuda.json; N = 16384 bf16 rows,
     V = 151936) for the sweep of before 2026-11-27, which reduced every block to scalars (four
@@ -479,7 +488,7 @@ def row_stats_configs(
     """The launches of `row_stats` for N rows of V logits of `dtype` on a device with
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (_split_config;
     `split_chunk` forces it as in row_stats); `row_temp`: a temperature per row (ROW_TEMP);
-    `shift`: the one-program kernel also writes m and log s (STORE_SHIFT; split-V does not).
+    `shift`: the kernel that writes lse also writes m and log s (STORE_SHIFT).
     Example arguments: logits (1, N, V) contiguous."""
     block, _ = _launch_config(V)
     splits, chunk = _split_config(N, V, block, device_sms, split_chunk)  # not cached: tests spy
@@ -497,8 +506,8 @@ def _row_stats_configs(
     temp = {"inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32)}
     stats = {"logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "lse_ptr": Ptr(_F32)}
     tokens = {"tokens_ptr": Ptr(tokens_dtype)}
+    shifts = {"shift_ptr": Ptr(_F32), "log_s_ptr": Ptr(_F32)}
     if splits == 1:
-        shifts = {"shift_ptr": Ptr(_F32), "log_s_ptr": Ptr(_F32)}
         args = {**logits, **tokens, **stats, **shifts, **shape, **strides, **temp}
         return (
             config(
@@ -519,7 +528,8 @@ def _row_stats_configs(
     split_args = {**logits, **parts, **shape, "CHUNK": chunk, "SPLITS": splits, **strides, **temp}
     block_s, warps_s = _merge_config(splits)
     merge_args = {
-        **logits, **tokens, **parts, **stats, **shape, "SPLITS": splits, **strides, **temp
+        **logits, **tokens, **parts, **stats, **shifts, **shape, "SPLITS": splits, **strides,
+        **temp,
     }  # fmt: skip
     return (
         config(
@@ -528,7 +538,7 @@ def _row_stats_configs(
         ),
         config(
             _token_stats_merge_fwd_kernel, (N,), warps_s, merge_args, ROW_TEMP=row_temp,
-            BLOCK_S=block_s, options=EXACT_PRODUCTS,
+            STORE_SHIFT=shift, BLOCK_S=block_s, options=EXACT_PRODUCTS,
         ),
     )  # fmt: skip
 
@@ -671,7 +681,7 @@ def row_stats(
     split-V kernels (see _split_config; `split_chunk` forces the choice: 0 = one program per
     row, k > 0 = slices of k logits); both paths agree to fp32 rounding. With `shift`, returns
     (logp, entropy, lse, shifted): shifted = (m, log s) fp32 (B, T) of each row (lse = m +
-    log s), for row_grad_'s exact p_j, or None where split-V ran (row_grad_ then uses lse)."""
+    log s), for row_grad_'s exact p_j (None when N = 0)."""
     B, T, V = logits.shape
     assert V == 1 or logits.stride(-1) == 1, "the V dimension of the logits must be contiguous"
     logp, entropy, lse = (
@@ -691,16 +701,19 @@ def row_stats(
     # `shift`, it stands in for m and log s, never written)
     temp = (inv_temp, lse if inv_rows is None else inv_rows)
     strides = (logits.stride(0), logits.stride(1), *temp)
+    shifted = (torch.empty_like(lse), torch.empty_like(lse)) if shift else (lse, lse)
     if len(cfgs) == 1:
-        shifted = (torch.empty_like(lse), torch.empty_like(lse)) if shift else (lse, lse)
         cfgs[0](logits, tokens, logp, entropy, lse, *shifted, T, V, *strides)
         return (*done, shifted) if shift else done
     split, merge = cfgs
     splits, chunk = split.arg("SPLITS"), split.arg("CHUNK")
     part = torch.empty((3, N, splits), dtype=torch.float32, device=logits.device)
     split(logits, part[0], part[1], part[2], T, V, chunk, splits, *strides)
-    merge(logits, tokens, part[0], part[1], part[2], logp, entropy, lse, T, V, splits, *strides)
-    return (*done, None) if shift else done
+    merge(
+        logits, tokens, part[0], part[1], part[2], logp, entropy, lse, *shifted, T, V, splits,
+        *strides,
+    )  # fmt: skip
+    return (*done, shifted) if shift else done
 
 
 def row_grad_(
@@ -800,10 +813,10 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
     `logits`) from (g, h) = grad_fn(logp, H) (temperature: a float, or a (B, T) tensor of per-row
     temperatures). `row_terms`: None, or (for a token-separable loss) a function returning its
-    fastrl.terms.TokenGradTerms (or None where it has none): then one program per row does it
-    all: the statistics kernel, (g, h) from one O(N) kernel (policy_terms.token_grads), the
-    gradient kernel; or, with FASTRL_ONE_PASS=1 and rows too many for split-V, one program per
-    row (`policy_rows_`). Otherwise (a sequence-level loss) the statistics kernel, g and h from
+    fastrl.terms.TokenGradTerms (or None where it has none): then the statistics kernel (with
+    each row's m and log s), (g, h) from one O(N) kernel (policy_terms.token_grads) and the
+    gradient kernel (p_j from m and log s: exact at any offset); or, with FASTRL_ONE_PASS=1 and
+    rows too many for split-V, one program per row does it all (`policy_rows_`). Otherwise (a sequence-level loss) the statistics kernel, g and h from
     grad_fn (O(N) torch), then the gradient kernel. Either way the logits are read twice.
     `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
     as fastrl.chunked's."""

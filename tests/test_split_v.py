@@ -129,6 +129,32 @@ def test_split_merge_at_spreads_near_the_fp32_range(device):
         torch.testing.assert_close(entropy.cpu(), torch.full((2,), math.log(32)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_loss_gradient_at_a_large_offset_on_the_split_path(device, monkeypatch, launched):
+    """Few rows with a long vocabulary run split-V: its merge kernel stores each row's m and
+    log s too (STORE_SHIFT), so the gradient kernel forms p_j = exp((z'_j - m) - log s) as on
+    the one-program path. From lse, rounded at |lse|'s scale, an entry was 6.8e-5 off float64
+    at a logit offset of 1e4 (found in review)."""
+    monkeypatch.setenv("FASTRL_BACKEND", "triton")
+    g = torch.Generator().manual_seed(0)
+    V = 16384
+    base = torch.randn(1, 2, V, generator=g)
+    base[..., :3] += 10.0  # a few large probabilities
+    z = base + 1e4
+    tokens, adv = torch.tensor([[0, 5]]), torch.tensor([1.0])
+    x = z.to(device).requires_grad_()
+    out = fastrl.policy_loss(x * 1.0, tokens.to(device), adv.to(device), policy="reinforce",
+                             entropy_coef=0.1)  # fmt: skip
+    out.loss.backward()
+    assert "_token_stats_split_fwd_kernel" in {name for name, *_ in launched}
+
+    w = z.detach().double().requires_grad_()
+    ls = torch.log_softmax(w, -1)
+    logp, entropy = ls.gather(-1, tokens[..., None])[..., 0], -(ls.exp() * ls).sum(-1)
+    (-logp * adv[:, None] - 0.1 * entropy).mean().backward()
+    torch.testing.assert_close(x.grad.cpu().double(), w.grad, rtol=0, atol=2e-6)
+
+
 @needs_interpreter
 def test_logprobs_takes_split_path_when_rows_are_few(monkeypatch):
     """fastrl.logprobs on the Triton backend picks split-V by itself for few rows / large V
