@@ -821,8 +821,9 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
     as fastrl.chunked's."""
     B, T, V = logits.shape
+    one_pass = one_pass_enabled()  # (a bad FASTRL_ONE_PASS is refused whatever the loss)
     terms = None if row_terms is None else row_terms()
-    if terms is not None and one_pass_enabled():
+    if terms is not None and one_pass:
         block, _ = _launch_config(V)
         if _split_config(B * T, V, block, logits.device)[0] == 1:
             return policy_rows_(logits, tokens, temperature, terms, out)

@@ -180,8 +180,9 @@ def test_which_kernels_run(monkeypatch, launched):
     names = kernels(decode, config="grpo")
     assert names[0] == "_token_stats_split_fwd_kernel" and "_token_grads_fwd_kernel" in names
     monkeypatch.setenv("FASTRL_ONE_PASS", "yes")
-    with pytest.raises(ValueError, match="FASTRL_ONE_PASS"):
-        kernels(batch, config="grpo")
+    for config in ("grpo", "gspo"):  # refused whatever the loss
+        with pytest.raises(ValueError, match="FASTRL_ONE_PASS"):
+            kernels(batch, config=config)
 
 
 def test_lm_head_path_runs_one_pass(monkeypatch, launched):
