@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from .launch import EXACT_PRODUCTS, LaunchConfig, Ptr, config, next_power_of_2
-from .policy_terms import KL_CODES, POLICY_CODES, SWITCHES, _token_grads, token_grads
+from .policy_terms import SWITCHES, _token_grads, switch_args, token_grads
 from .scale import _scale_grad_kernel, scale_, scale_configs  # noqa: F401 (backend interface)
 from .softmax import (
     _LOG2E,
@@ -798,13 +798,7 @@ def policy_rows_(logits, tokens, temperature, terms, out):
     cfg(
         logits, tokens, logp, entropy, lse, out, terms.weight, terms.advantages, old, ref,
         is_weight, N, T, V, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
-        inv_temp, lse if inv_rows is None else inv_rows, int(terms.old_logp is not None),
-        int(terms.is_weight is not None), POLICY_CODES[terms.policy], 1.0 - terms.clip_low,
-        1.0 + terms.clip_high, int(terms.clip_dual is not None),
-        0.0 if terms.clip_dual is None else terms.clip_dual,
-        float("inf") if terms.clip_delta is None else terms.clip_delta, terms.kl_coef,
-        KL_CODES[terms.kl_estimator if with_kl else None], int(terms.kl_bias_correction),
-        terms.entropy_coef, terms.sapo_tau_pos, terms.sapo_tau_neg,
+        inv_temp, lse if inv_rows is None else inv_rows, *switch_args(terms, with_kl),
     )  # fmt: skip
     return logp.view(B, T), entropy.view(B, T)
 

@@ -340,6 +340,20 @@ def _policy_terms_fwd_kernel(
 
 
 # --------------------------------------------------------------------------- launch
+def switch_args(terms, with_kl: bool) -> tuple:
+    """The loss's runtime switches and constants as the kernels take them, in their order (has_old
+    ... sapo_tau_neg: SWITCHES and the floats between them), from a fastrl.terms.TokenGradTerms;
+    with_kl: whether the KL term (or metric) is formed (kl_est = -1 otherwise)."""
+    return (
+        int(terms.old_logp is not None), int(terms.is_weight is not None),
+        POLICY_CODES[terms.policy], 1.0 - terms.clip_low, 1.0 + terms.clip_high,
+        int(terms.clip_dual is not None), 0.0 if terms.clip_dual is None else terms.clip_dual,
+        float("inf") if terms.clip_delta is None else terms.clip_delta, terms.kl_coef,
+        KL_CODES[terms.kl_estimator if with_kl else None], int(terms.kl_bias_correction),
+        terms.entropy_coef, terms.sapo_tau_pos, terms.sapo_tau_neg,
+    )  # fmt: skip
+
+
 @functools.lru_cache(maxsize=64)
 def policy_terms_configs(N: int) -> tuple[LaunchConfig, ...]:
     """The launch of `policy_terms` on N tokens: one program per _TERMS_BLOCK tokens (at least
@@ -384,12 +398,7 @@ def policy_terms(logp, entropy, mask, terms):
     old, ref, is_weight = (logp if t is None else t for t in per_token)  # logp: never read
     cfg(
         logp, entropy, mask, terms.weight, terms.advantages, old, ref, is_weight, kl, ratio, sums, top,
-        N, int(terms.old_logp is not None), int(terms.is_weight is not None),
-        POLICY_CODES[terms.policy], 1.0 - terms.clip_low, 1.0 + terms.clip_high,
-        int(terms.clip_dual is not None), 0.0 if terms.clip_dual is None else terms.clip_dual,
-        float("inf") if terms.clip_delta is None else terms.clip_delta, terms.kl_coef,
-        KL_CODES[terms.kl_estimator if with_kl else None], int(terms.kl_bias_correction),
-        terms.entropy_coef, terms.sapo_tau_pos, terms.sapo_tau_neg,
+        N, *switch_args(terms, with_kl),
     )  # fmt: skip
     if G == 1:
         return kl, ratio, sums[0], top[0]
@@ -432,11 +441,6 @@ def token_grads(logp, terms):
     old, ref, is_weight = (logp if t is None else t for t in per_token)  # logp: never read
     cfg(
         logp, terms.weight, terms.advantages, old, ref, is_weight, g, h, N,
-        int(terms.old_logp is not None), int(terms.is_weight is not None),
-        POLICY_CODES[terms.policy], 1.0 - terms.clip_low, 1.0 + terms.clip_high,
-        int(terms.clip_dual is not None), 0.0 if terms.clip_dual is None else terms.clip_dual,
-        float("inf") if terms.clip_delta is None else terms.clip_delta, terms.kl_coef,
-        KL_CODES[terms.kl_estimator if with_kl else None], int(terms.kl_bias_correction),
-        terms.entropy_coef, terms.sapo_tau_pos, terms.sapo_tau_neg,
+        *switch_args(terms, with_kl),
     )  # fmt: skip
     return g, h
