@@ -49,3 +49,22 @@ def test_fastrl_train_runs_end_to_end(tmp_path, capsys, algo, device):
     text, err = capsys.readouterr()
     assert rc == 0, text + err
     assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_resumed_optimizer_keeps_its_step_on_the_cpu(tmp_path, device):
+    """optimizer.pt is loaded on the CPU: load_state_dict moves Adam's moments to the
+    parameters' device but leaves `step` where it was loaded, and a CUDA step made AdamW sync
+    with the host twice per parameter tensor on every step of a resumed run (found in review)."""
+    import tiny_run
+
+    from fastrl.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    Trainer(tiny_run.tiny(out, steps=1, save_every=1, device=device), log=lambda *a: None).train()
+    resumed = Trainer(tiny_run.tiny(out, steps=2, resume=str(out), device=device),
+                      log=lambda *a: None)  # fmt: skip
+    resumed.setup()  # (loads the checkpoint: what train() does first)
+    states = list(resumed.state.opt.state.values())
+    assert states and all(s["step"].device.type == "cpu" for s in states)
+    assert all(s["exp_avg"].device.type == device for s in states)

@@ -427,16 +427,72 @@ def test_bench_learning_smoke(tmp_path):
 def test_pick_device_gives_set_device_an_index(monkeypatch, name, world):
     """--device cuda (and auto on a GPU machine) made every `fastrl train` on a GPU fail with
     torch.cuda.set_device's "Expected a torch.device with a specified index" (found on an
-    H200). The device now gets the current index first. CUDA is faked here: set_device checks
-    its argument as the real one does before it reaches the driver."""
-    from torch.cuda._utils import _get_device_index
-
+    H200). The device now gets the current index first. CUDA is faked here (_fake_cuda)."""
     from fastrl.train.build import pick_device
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    chosen = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(_get_device_index(d)))
+    chosen = _fake_cuda(monkeypatch, devices=2)
     monkeypatch.setenv("LOCAL_RANK", "0")
     dev = pick_device(name, world)
     assert dev == torch.device("cuda", 0) and chosen == [0]
+
+
+def _fake_cuda(monkeypatch, devices: int) -> list:
+    """CUDA faked with `devices` GPUs; returns the list of indices set_device receives (checked
+    as the real set_device checks its argument before it reaches the driver)."""
+    from torch.cuda._utils import _get_device_index
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(_get_device_index(d)))
+    return chosen
+
+
+@pytest.mark.parametrize(
+    "name, world, local_rank, match",
+    [
+        ("cuda:0", 2, 1, "each rank takes its own GPU"),  # every rank on cuda:0: NCCL fails
+        ("cuda:5", 1, 0, "index 5, but this process sees 2"),  # set_device's own error: rc 1
+        ("cuda", 2, 3, "LOCAL_RANK index 3, but this process sees 2"),
+    ],
+)
+def test_pick_device_refuses_an_index_it_cannot_use(monkeypatch, name, world, local_rank, match):
+    """An explicit GPU index under torchrun, or one past the visible devices, is a clear
+    ValueError (`fastrl train: error`, exit status 2), not NCCL's duplicate-GPU error or a
+    traceback from torch.cuda.set_device."""
+    from fastrl.train.build import pick_device
+
+    chosen = _fake_cuda(monkeypatch, devices=2)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    with pytest.raises(ValueError, match=match):
+        pick_device(name, world)
+    assert chosen == []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device("cuda", 2) == torch.device("cuda", 1) and chosen == [1]
+
+
+def test_fsdp_shards_on_a_mesh_of_the_runs_device(monkeypatch):
+    """--fsdp shards every decoder layer, then the model, on a mesh of the run's device type:
+    fully_shard's default mesh takes the torch build's accelerator, so a --device cpu run on a
+    CUDA machine had its shards moved to the GPU (found reading torch's _init_default_mesh)."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
+
+    from fastrl.train import build
+
+    meshes, sharded = [], []
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed.device_mesh, "init_device_mesh",
+                        lambda kind, shape: meshes.append((kind, shape)) or "mesh")  # fmt: skip
+    monkeypatch.setattr(torch.distributed.fsdp, "fully_shard",
+                        lambda m, mesh=None: sharded.append((type(m).__name__, mesh)))  # fmt: skip
+
+    class Qwen2DecoderLayer(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(Qwen2DecoderLayer(2, 2), Qwen2DecoderLayer(2, 2))
+    build.shard(torch.device("cpu"), model, None)
+    assert meshes == [("cpu", (2,))]
+    assert sharded == [("Qwen2DecoderLayer", "mesh")] * 2 + [("Sequential", "mesh")]

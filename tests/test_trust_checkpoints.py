@@ -294,3 +294,49 @@ def test_pruning_spares_checkpoints_newer_than_the_one_saved(tmp_path):
     ckpt_io.save_checkpoint(str(root), 3, {"policy": model}, optim, {}, keep=2, log=removed.append)
     assert sorted(os.listdir(root)) == ["latest", "step-000002", "step-000003", "step-000009"]
     assert len(removed) == 1 and "step-000001" in removed[0]
+
+
+def test_cuda_rng_states_restore_on_as_many_devices_as_this_process_sees(monkeypatch):
+    """A checkpoint saved by a run that saw 2 GPUs, resumed where 1 is visible: one state per
+    visible device is restored (set_rng_state_all of both raised IndexError, which made every
+    checkpoint "bad RNG state"). CUDA is faked here: device_count 1, set_rng_state recorded."""
+    from fastrl.train import checkpoint as ckpt_io
+
+    state = ckpt_io.rng_state({}, {})
+    state["cuda"] = [[1] * 16, [2] * 16]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    calls = []
+
+    def set_one(s, i):  # as torch's: an index past the visible devices raises
+        if i >= 1:
+            raise IndexError(f"CUDA device {i} of 1")
+        calls.append((s.tolist(), i))
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_one)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda states: [set_one(s, i) for i, s in enumerate(states)])  # fmt: skip
+    assert ckpt_io.set_rng_state(state, {}, {}) == {}
+    assert calls == [([1] * 16, 0)]
+
+
+def test_flash_attention_only_where_it_can_run(monkeypatch):
+    """flash_attention_2 for a CUDA run in bf16 / fp16 with a usable flash_attn, else sdpa: it
+    has no CPU and no fp32 kernels (a --device cpu run on a GPU machine, or --dtype fp32 on CUDA,
+    failed at its first forward) and transformers' own check says whether it is usable."""
+    import importlib.util
+
+    import transformers.utils
+
+    from fastrl.train.rollout import attn_implementation
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: object() if n == "flash_attn" else real(n, *a))  # fmt: skip
+    for usable in (True, False):
+        monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda u=usable: u)
+        want = "flash_attention_2" if usable else "sdpa"
+        assert [attn_implementation(cuda, d) for d in ("bf16", "fp16")] == [want, want]
+        assert attn_implementation(cuda, "fp32") == "sdpa"
+        assert attn_implementation(cpu, "bf16") == "sdpa"

@@ -72,6 +72,13 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
             f"size the embedded model only: ignored with --model {cfg.model}"
         )
     eos = eos_ids(tok, model)
+    compute_dtype = auto_dtype if cfg.dtype == "auto" else cfg.dtype
+    if cfg.model is not None:  # (the embedded model is built for sdpa)
+        from .rollout import attn_implementation
+
+        attn = attn_implementation(device, compute_dtype)
+        if attn != "sdpa":
+            model.set_attn_implementation(attn)
     policy = model.to(device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.num_threads or auto_threads(policy, world))
@@ -81,7 +88,7 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
         rank=rank,
         world=world,
         device=device,
-        compute_dtype=auto_dtype if cfg.dtype == "auto" else cfg.dtype,
+        compute_dtype=compute_dtype,
         console=console,
         task=task,
         eval_set=eval_set,
@@ -142,8 +149,6 @@ def close_distributed(owned: bool) -> None:
 def pick_device(name: str, world: int) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and world > 1:
-        name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     try:
         dev = torch.device(name)
     except RuntimeError as e:
@@ -151,8 +156,21 @@ def pick_device(name: str, world: int) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={name!r} but CUDA is not available; use --device cpu")
     if dev.type == "cuda":
-        if dev.index is None:  # torch.cuda.set_device refuses a device without an index
+        if world > 1 and dev.index is not None:
+            raise ValueError(
+                f"--device={name!r} with {world} processes: each rank takes its own GPU, "
+                "cuda:LOCAL_RANK; pass --device cuda (or auto)"
+            )
+        if world > 1:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        elif dev.index is None:  # torch.cuda.set_device refuses a device without an index
             dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            which = "LOCAL_RANK " if world > 1 else ""
+            raise ValueError(
+                f"--device={name!r}: {which}index {dev.index}, but this process sees "
+                f"{torch.cuda.device_count()} CUDA device(s) (CUDA_VISIBLE_DEVICES)"
+            )
         torch.cuda.set_device(dev)
     return dev
 
@@ -249,7 +267,7 @@ def setup(run: Run, state: TrainState) -> None:
             if m is not None:
                 _checkpoint_activations(m)
     if cfg.fsdp:
-        shard(state.policy, state.critic, state.ref)
+        shard(run.device, state.policy, state.critic, state.ref)
     state.opt, state.sched = build_optimizer(cfg, state.policy, state.critic)
     if candidates:
         resume(run, state, candidates)
@@ -306,18 +324,22 @@ def wrap(run: Run, policy, critic) -> tuple:
     return train_policy, train_critic
 
 
-def shard(*models) -> None:
+def shard(device: torch.device, *models) -> None:
     """--fsdp: FSDP2 `fully_shard` on each decoder layer and then each whole model (None
-    skipped), in place; parameters become DTensors sharded over the ranks."""
+    skipped), in place; parameters become DTensors sharded over the ranks, on a mesh of the
+    run's device type (fully_shard's default mesh takes the build's accelerator: a --device cpu
+    run on a CUDA machine had its shards moved to the GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for model in models:
         if model is None:
             continue
         for m in model.modules():
             if type(m).__name__.endswith("DecoderLayer"):
-                fully_shard(m)
-        fully_shard(model)
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
 
 def release_wrappers(state: TrainState) -> None:

@@ -94,7 +94,10 @@ def set_rng_state(
     for k, r in pyrngs.items():
         r.setstate(_py_unstate(state["pyrngs"][k]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        # one state per device of the run that saved it: as many as this process sees (a run
+        # resumed with fewer devices visible raised IndexError: "bad RNG state" everywhere)
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.tensor(s, dtype=torch.uint8), i)
     return elsewhere
 
 
@@ -306,7 +309,10 @@ def load_checkpoint(ckpt: str, models: dict, device) -> tuple[dict, dict]:
     if not os.path.isfile(path):
         raise CorruptCheckpoint(path, "missing")
     try:
-        optim_state = torch.load(path, map_location=device, weights_only=False)
+        # on the CPU: load_state_dict moves each state tensor to its parameter's device, except
+        # Adam's `step`, which stays where it was loaded (a CUDA step made every optimizer step
+        # of a resumed run sync with the host twice per parameter tensor)
+        optim_state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         raise CorruptCheckpoint(path, f"unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(optim_state, dict) or not {"optimizer", "scheduler"} <= optim_state.keys():

@@ -94,11 +94,18 @@ def default_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int 
     return model
 
 
-def attn_implementation() -> str:
-    """flash_attention_2 when flash_attn is importable (and CUDA is there), else sdpa."""
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+def attn_implementation(device: torch.device, compute_dtype: str) -> str:
+    """flash_attention_2 for a run on CUDA in bf16 / fp16 when transformers finds a usable
+    flash_attn (installed, importable, a supported GPU), else sdpa: flash_attn has no CPU and no
+    fp32 kernels (an fp32 run on CUDA, or a CPU run on a GPU machine, failed at its first
+    forward), and an installed but unusable flash_attn raised ImportError at load."""
+    if device.type != "cuda" or compute_dtype not in ("bf16", "fp16"):
+        return "sdpa"
+    if importlib.util.find_spec("flash_attn") is None:  # (fast: no import of transformers')
+        return "sdpa"
+    from transformers.utils import is_flash_attn_2_available
+
+    return "flash_attention_2" if is_flash_attn_2_available() else "sdpa"
 
 
 # what AutoTokenizer reads from a model directory (fast, slow sentencepiece / BPE / WordPiece)
@@ -130,7 +137,7 @@ def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None
         model = AutoModelForCausalLM.from_pretrained(
             path,
             local_files_only=True,
-            attn_implementation=attn_implementation(),
+            attn_implementation="sdpa",  # the run's choice is set once its device is known
             dtype=dtype or torch.float32,
         )
     except (ValueError, OSError, KeyError) as e:
