@@ -141,3 +141,22 @@ def test_bad_inputs():
         generate(model, [[4]], 1, 0, tok.eos_token_id, tok.pad_token_id)
     with pytest.raises(ValueError, match="not a local Hugging Face model"):
         load_model("/nonexistent/dir")
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, None), (None, 0.6), (40, 0.9)])
+def test_truncate_like_sampler_in_chunks_of_rows(monkeypatch, top_k, top_p):
+    """The trainer's truncation of its training logits runs in chunks of rows (the sort of a
+    whole (n T, V) block held ~25 bytes a logit: ~30 GB at 16 x 512 rows of V = 151936): the
+    same support as the sampler's rule on every row at once, each row's token always kept."""
+    from fastrl.sampling import truncate_logits
+    from fastrl.train import rollout as R
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 300, generator=g) * 3
+    tokens = torch.randint(0, 300, (3, 7), generator=g)
+    monkeypatch.setattr(R, "_TRUNCATE_CHUNK_BYTES", 4 * 300 * 4)  # 4 rows a chunk
+    got = R.truncate_like_sampler(logits, tokens, 0.8, top_k, top_p)
+    keep = torch.isfinite(truncate_logits(logits.reshape(-1, 300) / 0.8, top_k, top_p))
+    keep.scatter_(1, tokens.reshape(-1, 1), True)
+    torch.testing.assert_close(torch.isfinite(got), keep.view(3, 7, 300))
+    torch.testing.assert_close(got[torch.isfinite(got)], logits[keep.view(3, 7, 300)])

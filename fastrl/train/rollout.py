@@ -380,6 +380,9 @@ def forward_completion_logits(model, rollout: Rollout, idx: Tensor | None = None
     return out.logits[:, P - 1 : -1], out
 
 
+_TRUNCATE_CHUNK_BYTES = 64 << 20  # fp32 logits per chunk of rows in truncate_like_sampler
+
+
 def truncate_like_sampler(
     logits: Tensor,
     tokens: Tensor,
@@ -395,8 +398,14 @@ def truncate_like_sampler(
     V = logits.shape[-1]
     if (top_k is None or top_k >= V) and (top_p is None or top_p >= 1):
         return logits
-    z = logits.detach().reshape(-1, V).float() / temperature
-    keep = torch.isfinite(truncate_logits(z, top_k, top_p))
+    flat = logits.detach().reshape(-1, V)
+    keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+    # rows in chunks of ~64 MB of fp32: the truncation holds a sorted copy, its order (int64)
+    # and masks, ~25 bytes a logit (16 x 512 rows of V = 151936 at once: ~30 GB)
+    rows = max(1, _TRUNCATE_CHUNK_BYTES // (4 * V))
+    for r0 in range(0, flat.shape[0], rows):
+        z = flat[r0 : r0 + rows].float() / temperature
+        keep[r0 : r0 + rows] = torch.isfinite(truncate_logits(z, top_k, top_p))
     keep.scatter_(1, tokens.reshape(-1, 1), True)
     return logits.masked_fill(~keep.view(logits.shape), float("-inf"))
 
