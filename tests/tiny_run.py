@@ -14,6 +14,7 @@ TINY_FIELDS = dict(
     max_new_tokens=4,
     progress=False,
     num_threads=1,
+    device="cpu",  # (auto would put the CPU tests on a GPU in bf16; CUDA runs ask for it)
 )
 
 
