@@ -122,7 +122,9 @@ class TrainConfig:
 
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
-    cuda:LOCAL_RANK."""
+    cuda:LOCAL_RANK (give `cuda` or `auto`: an explicit index is refused there). On CUDA with
+    bf16 / fp16 a --model uses flash_attention_2 when a usable flash-attn is installed, else
+    SDPA."""
 
     temperature: float = 1.0
     """Sampling temperature of the rollouts; the loss uses the same (training log-probs then
