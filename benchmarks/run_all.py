@@ -30,8 +30,8 @@ that pytest-gpu cut short still writes the counts it has); its stdout + stderr g
                   smoke run, which only checks the plumbing)
   fused-linear    bench_fused_linear.py: CUDA N = 8192, H = 4096, V = 151936, bf16, plus the
                   chunk-size sweep (--chunk-sizes 256 1024 2048 4096 8192, CUDA only: the
-                  library's GPU default, 4096 rows, is an estimate from bytes; ten more rows,
-                  well under a minute on an H100 by estimate, within the stage's timeout)
+                  library's GPU default, 2048 rows, was chosen from it; ten more rows, about
+                  a minute on an H200, within the stage's timeout)
   packed          bench_packed.py: packed (cu_seqlens) vs padded batches at ~50 % padding, its
                   defaults (CUDA S = 64, T = 2048, V = 151936, bf16; rows that do not fit are
                   kept as out of memory); --quick: its --quick mode in fp32

@@ -167,7 +167,7 @@ def linear_logprobs(
     `entropy=True`; both differentiable w.r.t. hidden, weight and bias (the exact entropy
     gradient of SPEC 6), through torch.library custom ops (torch.compile traces them).
     Transient memory: a few (chunk_size, V) tensors (default `default_chunk(V, device)` rows:
-    ~64 MB of fp32 logits on the CPU, 4096 rows on a GPU).
+    ~64 MB of fp32 logits on the CPU, 2048 rows on a GPU).
 
     Vocab-parallel (`group`: a torch.distributed process group of P ranks, or a `weight` that is
     a DTensor sharded along dim 0 on a 1-D DeviceMesh): weight (V_r, H) and bias (V_r,) are this

@@ -334,7 +334,7 @@ def test_bad_inputs():
 
 
 def test_default_chunk_by_device(monkeypatch):
-    """The default rows per chunk: ~64 MB of fp32 logits on the CPU; on a GPU 4096 rows (every
+    """The default rows per chunk: ~64 MB of fp32 logits on the CPU; on a GPU 2048 rows (every
     chunk re-reads the weight and the fp32 dW sum), fewer where a chunk's half-precision logits
     pass 2 GiB. Both LM-head ops ask for the default of their hidden states' device."""
     from fastrl import chunked
@@ -344,7 +344,7 @@ def test_default_chunk_by_device(monkeypatch):
     )
     assert L.default_chunk(151936) < 128
     assert (
-        L.default_chunk(151936, "cuda") == L.default_chunk(262144, torch.device("cuda:0")) == 4096
+        L.default_chunk(151936, "cuda") == L.default_chunk(262144, torch.device("cuda:0")) == 2048
     )
     assert L.default_chunk(2**20, "cuda") == 1024
     asked = []
