@@ -230,3 +230,27 @@ def test_bench_runs_the_benchmark_on_given_shapes(tmp_path):
     rows = json.loads(result.read_text())["rows"]
     assert {r["method"] for r in rows} >= {"fastrl", "trl-eager"}
     assert all(r["V"] == 50 and r["N"] == 4 for r in rows)
+
+
+def test_a_model_without_a_usable_flash_attention_falls_back_to_sdpa(tmp_path, capsys, monkeypatch):
+    """Where flash_attention_2 is chosen (a CUDA run in bf16 / fp16 with flash_attn installed;
+    forced here) but the model cannot take it, the run says so and goes on with SDPA."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastrl.train import rollout
+    from fastrl.train.rollout import default_tokenizer
+
+    d = tmp_path / "small"
+    tok = default_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(d)
+    tok.save_pretrained(d)
+    monkeypatch.setattr(rollout, "attn_implementation", lambda device, dtype: "flash_attention_2")
+    args = ["train", "--model", str(d), "--out", str(tmp_path / "o"), *TINY, "--steps", "1"]
+    rc = main(args)
+    text, err = capsys.readouterr()
+    assert rc == 0, text + err
+    assert "flash_attention_2 unavailable" in text + err and "using sdpa" in text + err

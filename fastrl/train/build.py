@@ -78,7 +78,10 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
 
         attn = attn_implementation(device, compute_dtype)
         if attn != "sdpa":
-            model.set_attn_implementation(attn)
+            try:
+                model.set_attn_implementation(attn)
+            except (ValueError, ImportError) as e:  # e.g. an architecture without it
+                console.warn(f"note: --model {cfg.model}: {attn} unavailable ({e}); using sdpa")
     policy = model.to(device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.num_threads or auto_threads(policy, world))
