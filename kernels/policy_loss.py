@@ -810,8 +810,9 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     fastrl.terms.TokenGradTerms (or None where it has none): then the statistics kernel (with
     each row's m and log s), (g, h) from one O(N) kernel (policy_terms.token_grads) and the
     gradient kernel (p_j from m and log s: exact at any offset); or, with FASTRL_ONE_PASS=1 and
-    rows too many for split-V, one program per row does it all (`policy_rows_`). Otherwise (a sequence-level loss) the statistics kernel, g and h from
-    grad_fn (O(N) torch), then the gradient kernel. Either way the logits are read twice.
+    rows too many for split-V, one program per row does it all (`policy_rows_`). Otherwise (a
+    sequence-level loss) the statistics kernel, g and h from grad_fn (O(N) torch), then the
+    gradient kernel. Either way the logits are read twice.
     `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
     as fastrl.chunked's."""
     B, T, V = logits.shape
