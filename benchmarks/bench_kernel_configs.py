@@ -13,8 +13,9 @@ one-pass kernel's persistent grid comes from FASTRL_ROWS_IN_FLIGHT (0: one progr
 Rows (kind):
   floor          out.copy_(logits): 1 read + 1 write of the logits, the HBM floor of a fused
                  forward + backward; `read` torch.amax over the rows (1 read)
-  stats          _token_stats_fwd_kernel (1 read: lse, logp, entropy) at each config
-  grad           _token_stats_bwd_kernel (1 read + 1 write: dL/dz from stored statistics)
+  stats          _token_stats_fwd_kernel (1 read: lse, logp, entropy, m and log s) at each config
+  grad           _token_stats_bwd_kernel (1 read + 1 write: dL/dz from stored statistics, p_j
+                 from m and log s: the variants the default path runs)
   one-pass       _policy_loss_fwd_kernel (GRPO with its k3 KL, no entropy bonus: the statistics,
                  then dL/dz)
                  at each config and grid P
@@ -249,7 +250,8 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
     def one_pass():
         PL.policy_rows_(logits, seen["tokens"], 1.0, seen["terms"], out_buf)
 
-    logp, entropy, lse = PL.row_stats(logits, tokens, 1.0)
+    # the variants the default path of a token-separable loss runs: with each row's m and log s
+    logp, entropy, lse, shifted = PL.row_stats(logits, tokens, 1.0, shift=True)
     g = torch.randn_like(logp)
     for block, warps, stages in one_grid:
         for grid in grids:
@@ -259,12 +261,13 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
     for block, warps, stages in stats_grid:
         label = f"BLOCK_V={block} warps={warps} stages={stages or 'default'}"
         with override("_token_stats_fwd_kernel", block, warps, stages):
-            timed("stats", V, label, lambda: PL.row_stats(logits, tokens, 1.0), one)
+            timed("stats", V, label, lambda: PL.row_stats(logits, tokens, 1.0, shift=True), one)
     for block, warps, stages in grad_grid:
         label = f"BLOCK_V={block} warps={warps}"
         with override("_token_stats_bwd_kernel", block, warps, stages):
             timed("grad", V, label, lambda: PL.row_grad_(
-                logits, tokens, logp, lse, entropy, g, None, 1.0, out_buf), two)  # fmt: skip
+                logits, tokens, logp, lse, entropy, g, None, 1.0, out_buf, shifted
+            ), two)  # fmt: skip
     # the sampler (Gumbel-max with Philox noise): N rows of the same logits, read once each
     seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
     cuda = device == "cuda"
