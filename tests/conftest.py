@@ -26,6 +26,17 @@ if not HAS_CUDA:
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# the devices a test that calls a kernel directly runs on: the interpreter on CPU, CUDA under
+# `-m gpu` (a skipif on "interpreter or CUDA" instead kept such tests out of `pytest -m gpu`)
+KERNEL_DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"),
+        id="cpu-triton",
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda-triton"),
+]
+
 # (device, backend) pairs every kernel test runs on: the chunked torch path and the Triton
 # kernels in the interpreter on CPU; both on CUDA with `-m gpu`.
 ENGINES = [

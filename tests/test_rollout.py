@@ -154,7 +154,7 @@ def test_truncate_like_sampler_in_chunks_of_rows(monkeypatch, top_k, top_p):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 300, generator=g) * 3
     tokens = torch.randint(0, 300, (3, 7), generator=g)
-    monkeypatch.setattr(R, "_TRUNCATE_CHUNK_BYTES", 4 * 300 * 4)  # 4 rows a chunk
+    monkeypatch.setattr("fastrl.chunked.CHUNK_BYTES", 4 * 300 * 4)  # 4 rows a chunk
     got = R.truncate_like_sampler(logits, tokens, 0.8, top_k, top_p)
     keep = torch.isfinite(truncate_logits(logits.reshape(-1, 300) / 0.8, top_k, top_p))
     keep.scatter_(1, tokens.reshape(-1, 1), True)

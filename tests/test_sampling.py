@@ -61,17 +61,9 @@ def assert_chi_square(tokens, probs):
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f} (df {df}): counts {counts}"
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(
-            "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-        ),
-        pytest.param("cuda", marks=pytest.mark.gpu),
-    ]
-)
+@pytest.fixture(params=__import__("conftest").KERNEL_DEVICES)
 def kernel_dev(request):
-    """The device a direct kernel test runs on: the interpreter on CPU, and CUDA under `-m gpu`
-    (a plain skipif on "interpreter or CUDA" kept these tests out of `pytest -m gpu`)."""
+    """The device a direct kernel test runs on (conftest.KERNEL_DEVICES)."""
     return request.param
 
 

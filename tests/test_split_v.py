@@ -24,10 +24,7 @@ import fastrl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py without CUDA
 CPU = torch.device("cpu")
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-DEVICES = [
-    pytest.param("cpu", marks=needs_interpreter, id="cpu-triton"),
-    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda-triton"),
-]
+DEVICES = __import__("conftest").KERNEL_DEVICES
 
 
 def entropy64(z64: torch.Tensor) -> torch.Tensor:

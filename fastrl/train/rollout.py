@@ -11,7 +11,6 @@ length (<= max_new_tokens), V vocabulary.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 from dataclasses import dataclass, fields
@@ -19,6 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from .. import chunked
 from ..losses import logprobs
 from ..sampling import sample, truncate_logits
 
@@ -100,8 +100,6 @@ def attn_implementation(device: torch.device, compute_dtype: str) -> str:
     fp32 kernels (an fp32 run on CUDA, or a CPU run on a GPU machine, failed at its first
     forward), and an installed but unusable flash_attn raised ImportError at load."""
     if device.type != "cuda" or compute_dtype not in ("bf16", "fp16"):
-        return "sdpa"
-    if importlib.util.find_spec("flash_attn") is None:  # (fast: no import of transformers')
         return "sdpa"
     from transformers.utils import is_flash_attn_2_available
 
@@ -380,9 +378,6 @@ def forward_completion_logits(model, rollout: Rollout, idx: Tensor | None = None
     return out.logits[:, P - 1 : -1], out
 
 
-_TRUNCATE_CHUNK_BYTES = 64 << 20  # fp32 logits per chunk of rows in truncate_like_sampler
-
-
 def truncate_like_sampler(
     logits: Tensor,
     tokens: Tensor,
@@ -400,9 +395,10 @@ def truncate_like_sampler(
         return logits
     flat = logits.detach().reshape(-1, V)
     keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
-    # rows in chunks of ~64 MB of fp32: the truncation holds a sorted copy, its order (int64)
-    # and masks, ~25 bytes a logit (16 x 512 rows of V = 151936 at once: ~30 GB)
-    rows = max(1, _TRUNCATE_CHUNK_BYTES // (4 * V))
+    # rows in the torch path's chunks (chunked.chunk_rows: 32 MB of fp32): the truncation holds
+    # a sorted copy, its order (int64) and masks, ~25 bytes a logit (16 x 512 rows of
+    # V = 151936 at once: ~30 GB)
+    rows = chunked.chunk_rows(V)
     for r0 in range(0, flat.shape[0], rows):
         z = flat[r0 : r0 + rows].float() / temperature
         keep[r0 : r0 + rows] = torch.isfinite(truncate_logits(z, top_k, top_p))
