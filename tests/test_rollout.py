@@ -115,6 +115,37 @@ def test_masks_after_eos():
     assert r.completion_ids.shape[1] <= 8
 
 
+def test_no_forward_past_the_last_token():
+    """T new tokens take 1 prefill + T - 1 decode forwards: the logits of a forward after the
+    last token would never be sampled (one wasted decode step in every truncated batch)."""
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=1, hidden=32, layers=1).eval()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    never = len(tok) + 5  # an EOS no row can draw: every row runs to max_new_tokens
+    r = generate(model, _ids(tok, PROMPTS), 2, 5, never, tok.pad_token_id, temperature=0.0)
+    assert r.completion_ids.shape[1] == 5 and bool(r.truncated.all())
+    assert len(calls) == 5  # prefill + 4 decodes
+
+
+def test_eos_ids_put_the_tokenizers_eos_first():
+    """The supervised warm-up ends its targets with eos[0]: the tokenizer's EOS, not the
+    smallest id of the generation config's list (Qwen2.5-Instruct: <|im_end|> = 151645 with
+    <|endoftext|> = 151643 in generation_config)."""
+    from types import SimpleNamespace
+
+    from fastrl.train.rollout import eos_ids
+
+    tok = SimpleNamespace(eos_token_id=151645)
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[151645, 151643, 7]))
+    assert eos_ids(tok, model) == [151645, 7, 151643]
+    assert eos_ids(tok, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=3))) == [
+        151645,
+        3,
+    ]
+    assert eos_ids(SimpleNamespace(eos_token_id=None), model) == [7, 151643, 151645]
+
+
 def test_select_and_cat_roundtrip():
     tok = default_tokenizer()
     model = default_model(len(tok), seed=1, hidden=32, layers=1).eval()

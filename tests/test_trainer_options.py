@@ -67,6 +67,20 @@ def test_dapo_overlong_default_never_penalises_an_answer_that_ends_inside_the_bu
     ).tolist() == [0, 0, 0]
 
 
+def test_dapo_dynamic_sampling_keeps_groups_by_accuracy_and_trains_on_shaped_rewards():
+    """SPEC 9: a group is kept when its task rewards differ (some right, some wrong), not when
+    only the overlong penalty differs. Filtered on the shaped rewards, the all-wrong group 0
+    below (one answer ended with EOS, one truncated: shaped 0 and -1) was kept, and the wrong
+    answer that stopped in time got a positive advantage."""
+    cfg = TrainConfig(algo="dapo", max_new_tokens=6, group_size=2)  # L_cache = 1
+    r = _rollout([3, 6, 6, 2, 6, 6], [False, True, True, False, True, True], 6)
+    task = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # groups: all wrong, mixed, all right
+    idx, shaped = algos.dapo_select(cfg, r, task, room=3)
+    assert idx.tolist() == [2, 3]  # group 1 only
+    assert shaped.tolist() == [0.0, 0.0]  # 1 - 1 (truncated) and 0 (ended with EOS)
+    assert algos.dapo_select(cfg, r, task, room=0)[0].tolist() == []
+
+
 # ----------------------------------------------------------------------- 2. user tasks
 def _jsonl(path, n):
     lines = [
@@ -496,3 +510,51 @@ def test_fsdp_shards_on_a_mesh_of_the_runs_device(monkeypatch):
     build.shard(torch.device("cpu"), model, None)
     assert meshes == [("cpu", (2,))]
     assert sharded == [("Qwen2DecoderLayer", "mesh")] * 2 + [("Sequential", "mesh")]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_model_with_dropout_trains_without_it(tmp_path, algo):
+    """A --model whose config has dropout (GPT-2: resid / embd / attn_pdrop) trains with it off:
+    pi_old is computed in eval mode and the update in train mode, so with dropout on, the first
+    (on-policy) minibatch's ratio was not 1 and approx_kl not 0 at unchanged weights (seen:
+    ratio_max 1.05). The reference copy and ppo's critic inherit it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fastrl.train.rollout import default_tokenizer
+
+    tok = default_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.3,
+        embd_pdrop=0.3, attn_pdrop=0.3, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "gpt2_dropout"
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    cfg = tiny(tmp_path / "run", model=str(path), algo=algo, steps=1, kl_coef=0.05, eval_every=100)
+    t = Trainer(cfg, log=quiet)
+    t.train()
+    row = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "ratio_max" in r][0]
+    assert row["ratio_max"] == 1.0 and row["approx_kl"] == 0.0, row
+    for model in (t.policy, t.state.ref, t.state.critic):
+        if model is not None:
+            drops = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+            assert drops and set(drops) == {0.0}
+
+
+def test_ppo_values_are_not_rounded_to_bf16_under_autocast():
+    """The critic's head runs in fp32 under --dtype bf16's autocast: its values (GAE's deltas,
+    the value loss) are not bf16-rounded (8 bits: 2e-3 at V ~ 1), as they were."""
+    from fastrl.train.rollout import default_model, default_tokenizer
+
+    tok = default_tokenizer()
+    torch.manual_seed(0)
+    critic = algos.ValueModel(default_model(len(tok), seed=0, hidden=32, layers=1))
+    torch.nn.init.normal_(critic.head.weight, std=0.3)
+    r = _rollout([3, 4], [False, True], 4)
+    r.completion_ids = torch.randint(3, len(tok), (2, 4))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        v = critic(r)
+    assert v.dtype == torch.float32 and v.shape == (2, 4)
+    assert (v != v.bfloat16().float()).any()  # finer than bf16's grid

@@ -329,9 +329,27 @@ def test_flash_attention_only_where_it_can_run(monkeypatch):
     from fastrl.train.rollout import attn_implementation
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for usable in (True, False):
         monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda u=usable: u)
         want = "flash_attention_2" if usable else "sdpa"
         assert [attn_implementation(cuda, d) for d in ("bf16", "fp16")] == [want, want]
         assert attn_implementation(cuda, "fp32") == "sdpa"
         assert attn_implementation(cpu, "bf16") == "sdpa"
+    # a GPU older than Ampere (V100 7.0, T4 7.5): flash-attn 2 refuses it at the first forward
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert attn_implementation(cuda, "bf16") == "sdpa"
+
+
+def test_dtype_auto_is_bf16_only_where_the_gpu_has_it(monkeypatch):
+    """--dtype auto: bf16 on a CUDA GPU of compute capability >= 8.0, fp32 on older ones (a
+    V100 or T4 emulates bf16: torch.cuda.is_bf16_supported() says yes there) and on the CPU."""
+    from fastrl.train.build import native_bf16
+
+    cuda = torch.device("cuda", 0)
+    for major, want in ((7, False), (8, True), (9, True), (12, True)):
+        capability = lambda device=None, m=major: (m, 0)  # noqa: E731
+        monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+        assert native_bf16(cuda) is want
+    assert native_bf16(torch.device("cpu")) is False

@@ -57,6 +57,16 @@ def dapo_keep(rewards: Tensor, group_size: int, room: int) -> Tensor:
     return (keep[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
+def dapo_select(cfg: TrainConfig, r: Rollout, rewards: Tensor, room: int):
+    """DAPO's dynamic sampling of one generation batch (SPEC 9): (the indices of the sequences
+    of at most `room` groups whose task rewards are not all equal, their shaped rewards).
+    Kept by the task rewards (accuracy, as in the DAPO paper), trained on the shaped ones:
+    filtered on the shaped rewards, an all-wrong group whose answers differ only in length was
+    kept, and the wrong answer that stopped in time pushed up."""
+    idx = dapo_keep(rewards, cfg.group_size, room)
+    return idx, dapo_shaped_rewards(cfg, r, rewards)[idx]
+
+
 def group_rows(cfg: TrainConfig, loss_cfg, rewards: Tensor, mask: Tensor, ref: bool):
     """grpo / dapo: (advantages (N,) on mask's device: `group_advantages` of the rewards (N,) in
     groups of group_size, `trained_rows` of them)."""
@@ -113,8 +123,13 @@ class ValueModel(nn.Module):
         ids = torch.cat([p_ids, c_ids], 1)
         attn = torch.cat([p_mask, torch.ones_like(c_ids)], 1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        h = self.backbone(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-        return self.head(h[:, P - 1 : -1]).squeeze(-1).float()
+        h = self.backbone(
+            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False
+        ).last_hidden_state
+        # the head in fp32 under bf16 autocast too: the values (and so GAE's deltas and the
+        # value loss) are not rounded to bf16's 8 bits (2e-3 at V ~ 1)
+        with torch.autocast(h.device.type, enabled=False):
+            return self.head(h[:, P - 1 : -1].float()).squeeze(-1)
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
     check_out_creatable(cfg.out)
     check_out_dir(cfg)
     device = pick_device(cfg.device, world)
-    auto_dtype = "bf16" if device.type == "cuda" else "fp32"
+    auto_dtype = "bf16" if native_bf16(device) else "fp32"
     task = get_task(cfg.task, cfg.reward)  # raises on unknown task / bad JSONL
     eval_set = eval_examples(cfg, task, console.log)  # held-out lines leave the training set
     scorer = RewardScorer(task.reward_fn, cfg.reward_timeout, report=console.report)
@@ -64,6 +64,7 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model, tok = load_models()
+    disable_dropout(model)  # (the reference copy and ppo's critic are copies of it)
     if cfg.model is None:
         check_vocabulary(cfg, task, eval_set)
     elif (cfg.model_hidden, cfg.model_layers) != (64, 2):
@@ -147,6 +148,13 @@ def close_distributed(owned: bool) -> None:
     if owned and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU with bf16 in hardware (compute capability >= 8.0: A100,
+    H100, RTX 30xx and newer). torch.cuda.is_bf16_supported() says yes on a V100 or T4 too,
+    where bf16 is emulated (slow) and flash-attn refuses to run."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def pick_device(name: str, world: int) -> torch.device:
@@ -249,6 +257,27 @@ def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
             f"{cfg.task} (no held-out data: pass --eval-file or --eval-split > 0)"
         )
     return task.eval_examples(cfg.eval_size, cfg.seed)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Switch dropout off in `model` for good: every nn.Dropout's p, every float attribute of a
+    module named like `*dropout*` (what HF attention passes to sdpa, e.g. Qwen2's
+    `attention_dropout`) and the config's `*dropout*` / `*_pdrop` fields (for copies built from
+    it) set to 0. With dropout on in train mode, the update's log-probs are not the sampler's
+    nor pi_old's (computed in eval mode): the first minibatch's ratio is not 1, the clip and
+    the KL act on noise. (TRL's `disable_dropout`, off by default there; always here.)"""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name.lower() and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            low = name.lower()
+            if ("dropout" in low or low.endswith("_pdrop")) and isinstance(value, float):
+                setattr(config, name, 0.0)
 
 
 # --------------------------------------------------------------------------- setup

@@ -122,9 +122,9 @@ class TrainConfig:
 
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
-    cuda:LOCAL_RANK (give `cuda` or `auto`: an explicit index is refused there). On CUDA with
-    bf16 / fp16 a --model uses flash_attention_2 when a usable flash-attn is installed, else
-    SDPA."""
+    cuda:LOCAL_RANK (give `cuda` or `auto`: an explicit index is refused there). On a CUDA GPU
+    with native bf16 (compute capability 8.0 or newer) and --dtype bf16, a --model uses
+    flash_attention_2 when a usable flash-attn is installed, else SDPA."""
 
     temperature: float = 1.0
     """Sampling temperature of the rollouts; the loss uses the same (training log-probs then
@@ -142,7 +142,8 @@ class TrainConfig:
 
     dtype: str = "auto"
     """Compute precision: `fp32`, `bf16` (bf16 autocast of forwards, fp32 weights, optimizer
-    and loss; on CPU too, where it is usually slower) or `auto` (bf16 on CUDA, fp32 on CPU)."""
+    and loss; on CPU too, where it is usually slower) or `auto` (bf16 on a CUDA GPU with native
+    bf16, compute capability 8.0 or newer; else fp32: on a V100 or T4 bf16 is emulated)."""
 
     gradient_checkpointing: bool = False
     """Recompute the policy's (and critic's) activations in the backward (Hugging Face
@@ -256,7 +257,9 @@ class TrainConfig:
     """Examples per supervised warm-up step."""
 
     eval_every: int = 10
-    """Evaluate (greedy, on a fixed eval set) every this many steps, at step 0 and at the end."""
+    """Evaluate (greedy, on a fixed eval set) every this many steps, at step 0 and at the end.
+    `eval_accuracy` is the share of completions whose reward is >= 1, the full reward of every
+    built-in task (with a --reward of your own that tops out below 1 it always reads 0)."""
 
     eval_size: int = 200
     """Eval prompts (fixed; for built-in tasks drawn from their own random stream, whose

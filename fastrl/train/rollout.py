@@ -95,11 +95,15 @@ def default_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int 
 
 
 def attn_implementation(device: torch.device, compute_dtype: str) -> str:
-    """flash_attention_2 for a run on CUDA in bf16 / fp16 when transformers finds a usable
-    flash_attn (installed, importable, a supported GPU), else sdpa: flash_attn has no CPU and no
-    fp32 kernels (an fp32 run on CUDA, or a CPU run on a GPU machine, failed at its first
-    forward), and an installed but unusable flash_attn raised ImportError at load."""
+    """flash_attention_2 for a run on CUDA in bf16 / fp16, on a GPU of compute capability 8.0
+    or newer, when transformers finds a usable flash_attn (installed, importable), else sdpa:
+    flash_attn has no CPU and no fp32 kernels (an fp32 run on CUDA, or a CPU run on a GPU
+    machine, failed at its first forward), it refuses GPUs older than Ampere at the first
+    forward (transformers' check does not look at the GPU when flash_attn imports), and an
+    installed but unusable flash_attn raised ImportError at load."""
     if device.type != "cuda" or compute_dtype not in ("bf16", "fp16"):
+        return "sdpa"
+    if torch.cuda.get_device_capability(device)[0] < 8:
         return "sdpa"
     from transformers.utils import is_flash_attn_2_available
 
@@ -182,15 +186,14 @@ def _cache_of(out):
 
 
 def eos_ids(tokenizer, model=None) -> list[int]:
-    """Every token id that ends a completion: the tokenizer's EOS plus the generation config's."""
-    ids = {tokenizer.eos_token_id}
+    """Every token id that ends a completion: the tokenizer's EOS first (the one the supervised
+    warm-up teaches, e.g. Qwen2.5-Instruct's <|im_end|>), then the generation config's others in
+    ascending order."""
     gen = getattr(model, "generation_config", None)
     extra = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if isinstance(extra, int):
-        ids.add(extra)
-    elif extra:
-        ids.update(extra)
-    return sorted(i for i in ids if i is not None)
+    extra = {extra} if isinstance(extra, int) else set(extra or ())
+    first = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return first + sorted(i for i in extra if i is not None and i not in first)
 
 
 # --------------------------------------------------------------------------- rollout
@@ -325,7 +328,7 @@ def generate(
     next_pos = positions[:, -1] + 1  # (N,)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     toks, logps, masks = [], [], []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         tok, logp, _ = sample(
             logits.float(), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
@@ -335,6 +338,8 @@ def generate(
         logps.append(torch.where(alive, logp.float(), 0.0))
         masks.append(alive.float())
         done = done | torch.isin(tok, eos)
+        if step == max_new_tokens - 1:  # the last token: no forward for the next one
+            break
         all_done = done.all()
         if sync_stop and torch.distributed.is_initialized():
             all_done = all_done.to(torch.int32)

@@ -144,8 +144,9 @@ def evaluate(run: Run, policy: nn.Module, step: int) -> float:
 def collect(run: Run, state: TrainState) -> tuple[Batch, dict]:
     """One RL step's data, this rank's share: `batch_size / world` prompts x `group_size`
     samples from `state.policy` (drawing prompts from `state.task_rng`, tokens from
-    `state.sample_gen`), their rewards (dapo: shaped, and generation repeated until dynamic
-    sampling has filled the batch or `max_gen_batches` is reached), the pi_old log-probs (and
+    `state.sample_gen`), their rewards (dapo: generation repeated until dynamic sampling, on
+    the task rewards, has filled the batch or `max_gen_batches` is reached; the kept groups
+    trained on their shaped rewards), the pi_old log-probs (and
     pi_ref's from `state.ref`), and the advantages (ppo: GAE with `state.critic`).
 
     Returns (the Batch the update trains on, stats): the step's counts and reward sums (summed
@@ -167,11 +168,10 @@ def collect(run: Run, state: TrainState) -> tuple[Batch, dict]:
         if not dapo:
             parts, part_rewards = [r], [rewards]
             break
-        rewards = algos.dapo_shaped_rewards(cfg, r, rewards)
-        idx = algos.dapo_keep(rewards, G, n_prompts - st["kept_groups"])
+        idx, kept_rewards = algos.dapo_select(cfg, r, rewards, n_prompts - st["kept_groups"])
         if len(idx):
             parts.append(r.select(idx.to(run.device)))
-            part_rewards.append(rewards[idx])
+            part_rewards.append(kept_rewards)
         st["kept_groups"] += len(idx) // G
         full = st["kept_groups"] >= n_prompts
         if cfg.fsdp:  # a sharded model's forwards are collectives, so a rank whose batch is
