@@ -118,6 +118,28 @@ def test_what_spec_cannot_express_raises(fields, option):
         loss_config_from_trl(SimpleNamespace(**fields))
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(loss_type="dr_grpo", max_completion_length=None), "TRL option max_completion_length"),
+        (dict(loss_type="dr_grpo", max_completion_length=0), "TRL option max_completion_length"),
+        (dict(epsilon=1.5), "TRL option epsilon gives LossConfig.clip_low=1.5"),
+        (dict(epsilon_high=-0.1), "TRL option epsilon_high .* gives LossConfig.clip_high=-0.1"),
+        (dict(beta=-1.0), "TRL option beta gives LossConfig.kl_coef=-1.0"),
+        (dict(temperature=0.0), "TRL option temperature gives LossConfig.temperature=0.0"),
+    ],
+)
+def test_bad_trl_values_are_named_as_trl_options(fields, message):
+    """A TRL value fastrl cannot take is refused naming the TRL option (dr_grpo without a
+    max_completion_length was a bare TypeError of int(None); epsilon = 1.5 was named as
+    LossConfig.clip_low)."""
+    with pytest.raises(ValueError, match=message):
+        loss_config_from_trl(SimpleNamespace(**fields))
+    # a LossConfig field the caller overrides is named as that field
+    with pytest.raises(ValueError, match="^LossConfig.clip_low=1.5"):
+        loss_config_from_trl(SimpleNamespace(), clip_low=1.5)
+
+
 def test_gspo_with_beta_weights_the_kl_by_the_sequence_ratio(tmp_path):
     # TRL's default use_bias_correction_kl=True multiplies the KL by coef_1, the sequence ratio
     args = grpo_config(tmp_path, loss_type="grpo", importance_sampling_level="sequence", beta=0.04)

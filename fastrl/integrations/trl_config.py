@@ -7,9 +7,10 @@ TRL option). `fastrl.integrations.trl` re-exports it beside the drop-in GRPOTrai
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
-from ..config import LossConfig
+from ..config import LossConfig, LossConfigError
 
 # TRL loss_type -> (policy, agg)
 _LOSS_TYPES = {
@@ -29,6 +30,21 @@ _VLLM_IS_MODES = {
     "token_mask": ("token", "mask"),
     "sequence_truncate": ("sequence", "truncate"),
     "sequence_mask": ("sequence", "mask"),
+}
+
+
+# LossConfig field -> the TRL option it is read from (for errors)
+_TRL_OPTIONS = {
+    "clip_low": "epsilon",
+    "clip_high": "epsilon_high (epsilon when None)",
+    "clip_delta": "delta",
+    "kl_coef": "beta",
+    "temperature": "temperature",
+    "entropy_coef": "entropy_coef",
+    "sapo_tau_pos": "sapo_temperature_pos",
+    "sapo_tau_neg": "sapo_temperature_neg",
+    "rollout_is_cap": "vllm_importance_sampling_clip_max",
+    "rollout_is_floor": "vllm_importance_sampling_clip_min",
 }
 
 
@@ -113,7 +129,13 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
             "two-sided bound caps the ratio above the clip range), or None"
         )
     if loss_type == "dr_grpo":
-        fields["max_len"] = int(get("max_completion_length"))
+        max_len = get("max_completion_length")
+        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool) or max_len < 1:
+            raise ValueError(
+                f"TRL option max_completion_length={max_len!r}: loss_type='dr_grpo' divides "
+                "every sequence's token sum by it, so it must be an int >= 1"
+            )
+        fields["max_len"] = int(max_len)
     if get("use_vllm", False) and get("vllm_importance_sampling_correction", False):
         mode = get("vllm_importance_sampling_mode")
         if mode not in _VLLM_IS_MODES:
@@ -132,4 +154,13 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
             rollout_is_floor=None if floor is None else float(floor),
         )
     fields.update(overrides)
-    return LossConfig().replace(**fields)
+    try:
+        return LossConfig().replace(**fields)
+    except LossConfigError as e:  # named as the TRL option it came from, unless overridden
+        option = _TRL_OPTIONS.get(e.field)
+        if option is None or e.field in overrides:
+            raise
+        raise ValueError(
+            f"TRL option {option} gives LossConfig.{e.field}={e.value!r}, which is invalid: "
+            f"expected {e.expected}"
+        ) from e

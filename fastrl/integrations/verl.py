@@ -57,12 +57,14 @@ ratio clamp, low_var_kl), so this mostly renames:
 verl's kl_loss_type names differ from SPEC's: verl's "k3" is the clamped low_var_kl (SPEC's
 `low_var_kl`), "kl" is k1 and "mse" is k2. What SPEC cannot express raises a ValueError naming
 the option: the loss modes clip_cov, kl_cov, geo_mean, dro, dppo_tv, dppo_kl and bypass_mode,
-the "full" KL and the straight-through "+" KL variants. verl's GSPO clamps the log-ratio at +10
-rather than +-20, which only matters where the ratio is above e^10. verl's seq-mean modes count
-only sequences with a counted token when no global batch size is given (the registered loss
-passes that count); its `token-sum` and the others are multiplied by dp_size (done by the
-registered loss; `fastrl.policy_loss` users pass global counts divided by dp_size). With
-dp_size > 1 verl requires the global count (batch_num_tokens for token-mean, global_batch_size
+the "full" KL and the straight-through "+" KL variants. verl's GSPO clamps the sequence
+log-ratio at +10 rather than +-20: where a sequence's ratio is above e^10, the value differs
+and so does the gradient (verl's clamp cuts that sequence's gradient to 0; fastrl's sends it
+through in full, e^10 times the advantage and more). verl's seq-mean modes count only
+sequences with a counted token when no global batch size is given (the registered loss passes
+that count); its `token-sum` and the others are multiplied by dp_size (done by the registered
+loss; `fastrl.policy_loss` users pass global counts divided by dp_size). With dp_size > 1 verl
+requires the global count (batch_num_tokens for token-mean, global_batch_size
 for the seq-mean modes): the registered loss raises a ValueError naming it, as verl does.
 """
 
@@ -112,7 +114,12 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
     """LossConfig equal to verl's actor loss for `actor` (a mapping / DictConfig / dataclass
     with verl's actor fields). `loss_mode` replaces `actor.policy_loss.loss_mode` (`fastrl` and
     `fastrl_<mode>` read as verl's `vanilla` / `<mode>`); `overrides` are LossConfig fields
-    applied last (e.g. `temperature`, `num_tokens`)."""
+    applied last (e.g. `temperature`, `num_tokens`).
+
+    With a seq-mean loss_agg_mode, verl divides by the sequences that have a counted token
+    (when no global batch size is given); a LossConfig without `num_seqs` divides by every
+    row of the batch, empty ones included. Where a batch may hold an empty row, pass
+    `num_seqs=(mask.sum(-1) > 0).sum()` (the registered loss `fastrl*` does)."""
     clip = _get(actor, "clip_ratio", 0.2)
     if loss_mode is None:
         loss_mode = _get(_get(actor, "policy_loss", {}), "loss_mode", "vanilla")
