@@ -29,6 +29,9 @@ TRL's logging-only metrics (clip fractions, gathered means) are (B, T)-sized and
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 EPS_LOW = EPS_HIGH = 0.2
@@ -74,14 +77,48 @@ def make_trl_eager_loss():
     return trl_eager_loss
 
 
-def verl_logprobs_from_logits():
-    """(verl's logprobs_from_logits, "") or (None, why it is unavailable)."""
+RAY_PLACEHOLDER = (
+    "verl imported with a placeholder for `ray`, which is not installed (its wheel is larger "
+    "than a device call carries): verl's package reads ray.ObjectRef at import; the functions "
+    "timed never call ray"
+)
+
+
+def import_verl() -> str:
+    """`import verl`: "" when it imports as installed, RAY_PLACEHOLDER when it needed a stand-in
+    `ray` module; raises what the import raises otherwise (not installed, a dependency missing).
+
+    verl's package __init__ imports ray for its DataProto / worker layer; the functions the
+    benchmarks time (logprobs_from_logits, core_algos, FusedLinearForPPO, linear_cross_entropy)
+    never touch it. Where ray is absent (the lent GPU image: its 79 MB wheel is over the 64 MiB
+    a device call carries), a module `ray` holding only `ObjectRef` (a class) stands in: any
+    other use of ray, or of a ray submodule, still fails loudly."""
     try:
         import verl  # noqa: F401
+
+        return RAY_PLACEHOLDER if getattr(sys.modules.get("ray"), "_stand_in", False) else ""
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+    placeholder = types.ModuleType("ray")
+    placeholder._stand_in = True
+    placeholder.__path__ = []  # a package without submodules: `import ray.util` fails
+    placeholder.ObjectRef = type("ObjectRef", (), {})
+    sys.modules["ray"] = placeholder
+    import verl  # noqa: F401
+
+    return RAY_PLACEHOLDER
+
+
+def verl_logprobs_from_logits():
+    """(verl's logprobs_from_logits, note) or (None, why it is unavailable); note: "" or
+    RAY_PLACEHOLDER (`import_verl`)."""
+    try:
+        note = import_verl()
         from verl.utils.torch_functional import logprobs_from_logits
-    except Exception as e:  # not installed, or its dependencies (ray, protobuf, ...) missing
+    except Exception as e:  # not installed, or its dependencies (tensordict, ...) missing
         return None, f"{type(e).__name__}: {e}"
-    return logprobs_from_logits, ""
+    return logprobs_from_logits, note
 
 
 def verl_actor(beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
@@ -136,7 +173,8 @@ def make_verl_grpo_math(beta=BETA, eps=(EPS_LOW, EPS_HIGH)):
 
 
 def make_verl_eager_loss():
-    """loss(logits, ...) as verl's dp_actor computes it (entropy_coeff = 0: no entropy), or None."""
+    """(loss(logits, ...) as verl's dp_actor computes it (entropy_coeff = 0: no entropy), note)
+    or (None, why it is unavailable); note: "" or RAY_PLACEHOLDER."""
     logprobs_from_logits, why = verl_logprobs_from_logits()
     if logprobs_from_logits is None:
         return None, why
@@ -147,7 +185,7 @@ def make_verl_eager_loss():
         logp = logprobs_from_logits(logits, tokens)
         return verl_grpo_math(logp.float(), old_logp, ref_logp, advantages, mask), None
 
-    return verl_eager_loss, ""
+    return verl_eager_loss, why
 
 
 def trl_chunked_logprobs(hidden, weight, tokens, mask):

@@ -36,6 +36,15 @@ Rows (methods):
                         entropy, then TRL's GRPO math. Every position is scored, as the trainer
                         does off CUDA; on CUDA the trainer scores only the valid ones (the same
                         here: every position is valid)
+  verl-fused-linear     what verl 0.9.1's actor runs with use_fused_kernels (impl_backend
+                        "torch", its default): FusedLinearForPPO() as the HF models' patched
+                        forward builds it (chunks of 512 rows, log-probs and entropy), then
+                        verl's own GRPO math (_baselines.make_verl_grpo_math: core_algos'
+                        vanilla policy loss with dual clip c = 3, low_var_kl, seq-mean-token-
+                        mean); skipped with a note when verl does not import
+  verl-linear-ce        CUDA only: verl's Triton fused LM head (impl_backend "triton"),
+                        verl.utils.kernel.linear_cross_entropy(h, W, labels, 1.0, "none"),
+                        then the same verl GRPO math
   liger-fused-linear    liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(loss_type="grpo",
                         beta 0.04, eps 0.2, defaults otherwise: compiled loss math, chunk_size 1)
                         on its torch path; skipped with a note when it cannot be imported
@@ -82,7 +91,9 @@ from _baselines import (  # noqa: E402
     BETA,
     EPS_HIGH,
     EPS_LOW,
+    import_verl,
     make_trl_eager_loss,
+    make_verl_grpo_math,
     trl_chunked_logprobs,
     trl_grpo_math,
 )
@@ -100,6 +111,8 @@ METHODS = (
     "matmul+fastrl",
     MEM_BASELINE,
     "trl-chunked",
+    "verl-fused-linear",
+    "verl-linear-ce",
     "liger-fused-linear",
     "masked",  # the two fastrl rows on the 90 %-masked batch
 )
@@ -222,6 +235,8 @@ def build_methods(hidden, weight, li, full, masked, args, notes):
             return trl_grpo_math(logp, old, ref, adv, full)
 
         methods["trl-chunked"] = loss_step(chunked)
+    if {"verl-fused-linear", "verl-linear-ce"} & wanted and not args.no_verl:
+        methods.update(verl_methods(tok, adv, old, ref, full, wanted, notes))
     if "liger-fused-linear" in wanted and not args.no_liger:
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -252,6 +267,52 @@ def build_methods(hidden, weight, li, full, masked, args, notes):
         for chunk in getattr(args, "chunk_sizes", None) or ():
             if name in wanted:
                 methods[chunk_label(name, chunk)] = loss_step(make(full, chunk))
+    return methods
+
+
+def verl_methods(tok, adv, old, ref, mask, wanted, notes) -> dict:
+    """verl's fused LM heads (the rows verl-fused-linear and verl-linear-ce, see the module
+    docstring), each then verl's GRPO math; none, with the reason in `notes`, where verl does not
+    import (or, for the Triton head, off CUDA)."""
+    try:
+        note = import_verl()
+        from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+        verl_grpo_math = make_verl_grpo_math()
+    except Exception as e:  # not installed, or one of its dependencies missing
+        why = f"skipped: `import verl` failed ({type(e).__name__}: {e})"[:300]
+        notes.update({n: why for n in ("verl-fused-linear", "verl-linear-ce") if n in wanted})
+        return {}
+
+    def head_then_math(head):
+        def step(h, w):
+            logp, _entropy = head(h, w)
+            loss = verl_grpo_math(logp.float(), old, ref, adv, mask)
+            loss.backward()
+            return loss
+
+        return step
+
+    methods = {}
+    if "verl-fused-linear" in wanted:
+        fused = FusedLinearForPPO()  # verl's models build it so: chunk_size 512, "torch"
+        methods["verl-fused-linear"] = head_then_math(
+            lambda h, w: fused(hidden_states=h, vocab_weights=w, input_ids=tok, temperature=1.0)
+        )
+        if note:
+            notes["verl-fused-linear"] = note
+    if "verl-linear-ce" in wanted:
+        if tok.device.type != "cuda":
+            notes["verl-linear-ce"] = "skipped: verl's linear_cross_entropy is CUDA only"
+        else:
+            from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+            B, T = tok.shape
+            methods["verl-linear-ce"] = head_then_math(
+                lambda h, w: [x.view(B, T) for x in linear_cross_entropy(h, w, tok, 1.0, "none")]
+            )
+            if note:
+                notes["verl-linear-ce"] = note
     return methods
 
 
@@ -386,6 +447,9 @@ def build_parser():
         "fastrl rows on the 90%%-masked batch, needs those rows)",
     )
     p.add_argument("--no-liger", action="store_true", help="skip the liger-fused-linear row")
+    p.add_argument(
+        "--no-verl", action="store_true", help="skip the verl-fused-linear and verl-linear-ce rows"
+    )
     p.add_argument(
         "--chunk-sizes",
         type=positive_int,

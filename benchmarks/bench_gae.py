@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _baselines import import_verl  # noqa: E402
 from _common import (  # noqa: E402
     add_out_arg,
     add_traffic,
@@ -85,12 +86,14 @@ def make_inputs(B, T, device, seed=0):
 
 
 def verl_gae():
-    """verl's compute_gae_advantage_return, or the reason it cannot be imported."""
+    """(verl's compute_gae_advantage_return, note) or (None, why it cannot be imported); note:
+    None, or _baselines.RAY_PLACEHOLDER when verl imported with a stand-in for ray."""
     try:
+        note = import_verl()
         from verl.trainer.ppo.core_algos import compute_gae_advantage_return
     except Exception as e:  # not installed, or one of its own imports missing
         return None, f"verl not importable ({type(e).__name__}: {e})"
-    return compute_gae_advantage_return, None
+    return compute_gae_advantage_return, note or None
 
 
 def methods(args, r, v, m, notes: dict | None = None) -> dict:
@@ -102,6 +105,8 @@ def methods(args, r, v, m, notes: dict | None = None) -> dict:
     if verl is not None:
         gamma_t, lam_t, mf = torch.tensor(gamma), torch.tensor(lam), m.float()
         calls["verl"] = lambda: verl(r, v, mf, gamma_t, lam_t)
+        if notes is not None and why:
+            notes["verl"] = why
     elif notes is not None and not args.skip_loop:
         notes["verl"] = why
     calls["fastrl.gae"] = lambda: fastrl.gae(r, v, m, gamma, lam, check=False)

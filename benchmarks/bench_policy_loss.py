@@ -188,6 +188,8 @@ def build_methods(inp, args, device, notes):
             notes["verl-eager"] = f"skipped: `import verl` failed ({why})"[:300]
         else:
             methods["verl-eager"] = lambda x: verl_eager(view(x), *r)[0]
+            if why:  # imported with a stand-in for ray (_baselines.import_verl)
+                notes["verl-eager"] = why
     if ORACLE in wanted and not args.no_reference:
         methods[ORACLE] = lambda x: reference.policy_loss(view(x), **rest, config=cfg).loss
     if device.type == "cuda" and "liger" in wanted and not args.no_liger:

@@ -69,7 +69,9 @@ whole call may take) cuts each stage's timeout to fit, so run_all's own stage ti
 first; benchmarks/gpu_run.sh passes it.
 
 Baselines whose package is missing (importlib.util.find_spec) are skipped and reported: liger
-(liger_kernel: --no-liger to both loss benchmarks), verl (--no-verl to the policy loss); trl is
+(liger_kernel: --no-liger to both loss benchmarks), verl (--no-verl to the policy-loss,
+fused-linear and gae benchmarks; where only ray is missing, the benchmarks import verl with a
+stand-in for it, _baselines.import_verl, and their notes say so); trl is
 the baseline of the policy-loss, fused-linear, packed and trl-step stages (and datasets of
 trl-step), so without it those stages are skipped. Installs nothing; needs no network. On a lent
 GPU machine the stages are split over calls of at most 600 s (README "On a lent GPU machine"
@@ -105,7 +107,7 @@ PY = sys.executable
 # optional baselines: name -> (module find_spec looks for, what hiding it does)
 BASELINES = {
     "liger": ("liger_kernel", "Liger-Kernel rows of policy-loss (CUDA only) and fused-linear"),
-    "verl": ("verl", "the verl-eager row of policy-loss"),
+    "verl": ("verl", "the verl rows of policy-loss, fused-linear and gae"),
     "trl": ("trl", "the baseline of policy-loss, fused-linear, packed and trl-step: those stages"),
     "datasets": ("datasets", "trl-step (GRPOTrainer takes a datasets.Dataset)"),
 }
@@ -267,14 +269,14 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             no_trl and f"its baselines (TRL's loss and chunked head) need trl ({no_trl})",
             fp32,
             ["--shapes", "8192x4096", "--V", "151936", "--dtype", "bf16", *do_bench, *sweep],
-            no_liger,
+            no_liger + no_verl,
         )
     )
     why = no_trl and f"its baseline trl-eager-padded needs trl ({no_trl})"
     stages.append(bench("packed", "bench_packed.py", why, fp32))
     stages.append(bench("vocab-parallel", "bench_vocab_parallel.py", quick_args=["--quick"]))
     quick_gae = ["--B", "64", "--T", "1024", "--rep", "5", "--loop-rep", "2"]
-    stages.append(bench("gae", "bench_gae.py", quick_args=quick_gae, bar=False))
+    stages.append(bench("gae", "bench_gae.py", None, quick_gae, (), no_verl, bar=False))
     quick_sample = ["--N", "32", "--V", "8192", "--rep", "5"]
     stages.append(bench("sample", "bench_sample.py", quick_args=quick_sample, bar=False))
     lacking = no_trl or missing["datasets"]
@@ -621,6 +623,12 @@ def baseline_report(out: Path, cuda: bool, missing: dict[str, str | None]) -> di
             "matmul+trl-eager", fl_rows, bool(fl), missing["trl"]
         ),
         "trl-chunked (fused-linear)": status("trl-chunked", fl_rows, bool(fl), missing["trl"]),
+        "verl-fused-linear (fused-linear)": status(
+            "verl-fused-linear", fl_rows, bool(fl), missing["verl"]
+        ),
+        "verl-linear-ce (fused-linear)": status(
+            "verl-linear-ce", fl_rows, bool(fl), missing["verl"], "" if cuda else " (CUDA only)"
+        ),
         "liger-fused-linear (fused-linear)": status(
             "liger-fused-linear", fl_rows, bool(fl), missing["liger"]
         ),
