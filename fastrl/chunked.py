@@ -371,6 +371,15 @@ def _sub_tau(tau, a: int, b: int):
     return tau if isinstance(tau, float) else tau[a:b]
 
 
+def _row_max(x: Tensor) -> Tensor:
+    """m (S, 1) fp32: the max of each row of x (S, V), 0 for a row whose every logit is -inf.
+    Such a row then has u = -inf, e = 0, s = 0 and lse = m + log s = -inf (no mass), as in the
+    Triton kernels, not -inf - (-inf) = NaN everywhere: a vocab-parallel shard whose columns a
+    -inf bias masks whole adds nothing to the merge, where a NaN made every row NaN."""
+    m = x.amax(-1, keepdim=True).float()
+    return m.masked_fill_(m == float("-inf"), 0.0)
+
+
 def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
     """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens,
     temperature a float or an fp32 (R, 1) column of the rows' own temperatures.
@@ -387,7 +396,7 @@ def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
         b = min(R, a + work.S)
         x, yb = rows[a:b], y[a:b]
         u = work.u(b - a)  # (S, V) fp32: z' - m <= 0 (NaN for a NaN / +inf row)
-        m = x.amax(-1, keepdim=True).float()  # (S, 1), exact in the logits' dtype
+        m = _row_max(x)  # (S, 1), exact in the logits' dtype
         if x.dtype == torch.float32:
             torch.sub(x, m, out=u)
         else:  # (a mixed-dtype sub is slower than the cast and an in-place sub)
@@ -513,7 +522,7 @@ def _recompute_e_(e: Tensor, rows: Tensor, temperature, work: _Work) -> Tensor:
     for a in range(0, rows.shape[0], work.S):
         b = min(rows.shape[0], a + work.S)
         x, u = rows[a:b], e[a:b]
-        m = x.amax(-1, keepdim=True).float()
+        m = _row_max(x)
         if x.dtype == torch.float32:
             torch.sub(x, m, out=u)
         else:

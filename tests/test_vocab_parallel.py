@@ -205,6 +205,17 @@ def _check_nan_row(b, rows, group):
     assert torch.isnan(out.loss)
 
 
+def _check_masked_shard(b, rows, group, masked):
+    """Every column of one shard masked by a -inf bias (a vocabulary a rank holds that no token
+    may take, e.g. padding ids): that shard adds no mass, as on one device. The torch path gave
+    such a row's statistics lse = -inf + log 0 = NaN, and the merge made every row NaN."""
+    b = dict(b, bias=b["bias"].clone(), tokens=b["tokens"] % 12)  # tokens outside `masked`
+    b["bias"][masked] = float("-inf")
+    _check_logprobs(b, rows, group)
+    _check_policy(b, rows, group, config="dapo", entropy_coef=0.01)
+    _check_policy(b, rows, group, config="gspo")
+
+
 def _check_bad_inputs(b, rows, group, rank):
     w, bias = b["weight"][rows], b["bias"][rows]
     too_big = b["tokens"].clone()
@@ -280,6 +291,7 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
             _check_nearly_one_hot(rows, group)
             _check_nan_row(b, rows, group)
+            _check_masked_shard(b, rows, group, slice(V - sizes[-1], V))
             _check_plan_size(b, rows, group)
         _check_no_mask_reads_no_rows(b, rows, group)
         _check_dtensor(b, world)
