@@ -812,7 +812,7 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     gradient kernel (p_j from m and log s: exact at any offset); or, with FASTRL_ONE_PASS=1 and
     rows too many for split-V, one program per row does it all (`policy_rows_`). Otherwise (a
     sequence-level loss) the statistics kernel, g and h from grad_fn (O(N) torch), then the
-    gradient kernel. Either way the logits are read twice.
+    gradient kernel, with m and log s too. Either way the logits are read twice.
     `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
     as fastrl.chunked's."""
     B, T, V = logits.shape
@@ -822,13 +822,12 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
         block, _ = _launch_config(V)
         if _split_config(B * T, V, block, logits.device)[0] == 1:
             return policy_rows_(logits, tokens, temperature, terms, out)
-    if terms is None:
-        logp, entropy, lse = row_stats(logits, tokens, temperature)
-        g, h = grad_fn(logp, entropy)
-        row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out)
-        return logp, entropy
     # m and log s too: p_j = exp((z'_j - m) - log s), exact at any offset, as in one pass
     logp, entropy, lse, shifted = row_stats(logits, tokens, temperature, shift=True)
+    if terms is None:  # a sequence-level loss: (g, h) from the O(N) torch math
+        g, h = grad_fn(logp, entropy)
+        row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted)
+        return logp, entropy
     g, h = token_grads(logp.reshape(-1), terms)
     h = h if terms.entropy_coef != 0 else None  # (HAS_GRAD_ENTROPY off)
     row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted)

@@ -266,6 +266,30 @@ def test_policy_loss_gradient_at_a_large_logit_offset(engine, offset):
     torch.testing.assert_close(x.grad.cpu().double(), want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_sequence_level_gradient_at_a_large_logit_offset(engine, offset):
+    """A sequence-level loss (GSPO: its statistics kernel, O(N) torch math, its gradient kernel)
+    forms p_j from max-shifted logits too, so a common offset of the logits changes nothing: the
+    gradient is the reference's at offset 0, to fp32 precision. The Triton path used z'_j - lse
+    there: 6.3e-5 off at 1e4 (entries ~0.3)."""
+    from fastrl import reference
+
+    device, _ = engine
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 3, 7, generator=g)
+    tokens = torch.randint(0, 7, (2, 3), generator=g)
+    adv = torch.tensor([1.0, -0.5])
+    old = torch.log_softmax(base, -1).gather(-1, tokens[..., None])[..., 0] + 0.05
+    kw = dict(config="gspo", entropy_coef=0.1)
+    z = base + offset  # fp32: z - offset is exact (Sterbenz), the same logits shifted
+    x = z.to(device).requires_grad_()
+    out = fastrl.policy_loss(x * 1.0, tokens.to(device), adv.to(device), old.to(device), **kw)
+    out.loss.backward()
+    w = (z.detach() - offset).requires_grad_()
+    reference.policy_loss(w, tokens, adv, old, **kw).loss.backward()
+    torch.testing.assert_close(x.grad.cpu(), w.grad, rtol=0, atol=2e-6)
+
+
 def test_tiny_temperature_with_entropy_has_a_finite_gradient(engine):
     """tau = 1e-37 is accepted (finite, > 0): the entropy term's slope h / tau ~ 1e36 times
     log p_j at p_j = 0 overflowed on the CPU path, and 0 * inf made NaN entries where float64
