@@ -103,7 +103,9 @@ def policy_loss(
     Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like
     tokens, fp32, detached), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
     clipfrac_high, dualclip_frac, approx_kl, kl, entropy, ratio_mean, ratio_max, and
-    is_weight_mean / is_weight_max / is_clipfrac with rollout IS)). Nothing syncs with the host
+    is_weight_mean / is_weight_max / is_clipfrac with rollout IS: the mean of the weights
+    applied, after the cap; the largest weight before it, to show how far the sampler
+    drifted; the share outside [floor, cap])). Nothing syncs with the host
     unless `check_finite=True`, which raises a ValueError when the loss or the logp of a counted
     token (mask > 0) is NaN / inf (NaN / inf in the logits of a counted row otherwise propagate
     to the loss, never hidden; a masked row's, which reach neither the loss nor its gradient,
