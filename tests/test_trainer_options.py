@@ -541,6 +541,7 @@ def test_a_model_with_dropout_trains_without_it(tmp_path, algo):
         if model is not None:
             drops = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
             assert drops and set(drops) == {0.0}
+    assert t.policy.config.resid_pdrop == 0.3  # the exported config keeps the model's dropout
 
 
 def test_ppo_values_are_not_rounded_to_bf16_under_autocast():
@@ -558,3 +559,27 @@ def test_ppo_values_are_not_rounded_to_bf16_under_autocast():
         v = critic(r)
     assert v.dtype == torch.float32 and v.shape == (2, 4)
     assert (v != v.bfloat16().float()).any()  # finer than bf16's grid
+
+
+def test_disable_dropout_reaches_what_attention_passes_to_sdpa():
+    """Qwen2 / Llama attention keep `attention_dropout` (a float read from the config at init)
+    and pass it to sdpa in train mode: disable_dropout zeroes it too, and leaves the config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastrl.train.build import disable_dropout
+
+    config = Qwen2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.2,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    attn = model.model.layers[0].self_attn
+    assert attn.attention_dropout == 0.2
+    disable_dropout(model)
+    assert attn.attention_dropout == 0.0 and model.config.attention_dropout == 0.2
+    model.train()
+    ids = torch.randint(0, 32, (2, 6))
+    torch.manual_seed(0)
+    a = model(ids).logits
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(ids).logits, a, rtol=0, atol=0)  # no randomness left

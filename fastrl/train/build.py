@@ -260,24 +260,19 @@ def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Switch dropout off in `model` for good: every nn.Dropout's p, every float attribute of a
-    module named like `*dropout*` (what HF attention passes to sdpa, e.g. Qwen2's
-    `attention_dropout`) and the config's `*dropout*` / `*_pdrop` fields (for copies built from
-    it) set to 0. With dropout on in train mode, the update's log-probs are not the sampler's
-    nor pi_old's (computed in eval mode): the first minibatch's ratio is not 1, the clip and
-    the KL act on noise. (TRL's `disable_dropout`, off by default there; always here.)"""
+    """Switch dropout off in `model`'s modules: every nn.Dropout's p and every float attribute
+    of a module named like `*dropout*` (what HF attention reads from its config at init and
+    passes to sdpa, e.g. Qwen2's `attention_dropout`) set to 0; the reference copy and ppo's
+    critic, copies of these modules, inherit it. The config is left as it is (an exported
+    model keeps its dropout). With dropout on in train mode, the update's log-probs are not
+    the sampler's nor pi_old's (computed in eval mode): the first minibatch's ratio is not 1,
+    the clip and the KL act on noise. (TRL's `disable_dropout`, off by default there.)"""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
         for name, value in list(vars(module).items()):
             if "dropout" in name.lower() and isinstance(value, float):
                 setattr(module, name, 0.0)
-    config = getattr(model, "config", None)
-    if config is not None:
-        for name, value in list(vars(config).items()):
-            low = name.lower()
-            if ("dropout" in low or low.endswith("_pdrop")) and isinstance(value, float):
-                setattr(config, name, 0.0)
 
 
 # --------------------------------------------------------------------------- setup
