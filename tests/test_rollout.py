@@ -128,6 +128,36 @@ def test_no_forward_past_the_last_token():
     assert len(calls) == 5  # prefill + 4 decodes
 
 
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 5), (0.0, None)])
+def test_looking_every_k_steps_gives_the_same_rollout_and_generator(temperature, top_k):
+    """On a GPU the host looks at "all stopped?" every 8 steps (each look is a device sync):
+    the steps run past the stop are dropped and the generator put back, so the rollout and the
+    generator's next draws equal those of a look after every step, for every window."""
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=3, hidden=32, layers=2).eval()
+    with torch.no_grad():  # EOS likely enough that every row stops within 40 tokens
+        model.model.embed_tokens.weight[tok.eos_token_id] *= 20
+    prompts = _ids(tok, PROMPTS)
+    runs, calls = [], []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    for every in (1, 2, 3, 8, 40):
+        gen = torch.Generator().manual_seed(5)
+        calls.clear()
+        kw = dict(temperature=temperature, top_k=top_k, generator=gen, check_every=every)
+        r = generate(model, prompts, 3, 40, tok.eos_token_id, tok.pad_token_id, **kw)
+        runs.append((r, torch.rand(4, generator=gen), len(calls), every))
+    r1, next1, forwards1, _ = runs[0]
+    assert 1 < r1.completion_ids.shape[1] < 40  # every row stopped early: the windows cut
+    for r, nxt, forwards, every in runs[1:]:
+        for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                  "sampler_logp", "lengths", "truncated"):  # fmt: skip
+            assert torch.equal(getattr(r, f), getattr(r1, f)), (every, f)
+        assert torch.equal(nxt, next1), every  # the generator as after the last kept step
+        assert forwards1 <= forwards < forwards1 + every
+    with pytest.raises(ValueError, match="check_every"):
+        generate(model, prompts, 1, 4, tok.eos_token_id, tok.pad_token_id, check_every=2)
+
+
 def test_eos_ids_put_the_tokenizers_eos_first():
     """The supervised warm-up ends its targets with eos[0]: the tokenizer's EOS, not the
     smallest id of the generation config's list (Qwen2.5-Instruct: <|im_end|> = 151645 with

@@ -298,6 +298,7 @@ def generate(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     sync_stop: bool = False,
+    check_every: int | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
 
@@ -306,7 +307,14 @@ def generate(
     A sequence stops at its first EOS or after `max_new_tokens` tokens; the loop stops when all
     have stopped (with `sync_stop`, when they have on every rank: a sharded model's forwards are
     collectives, so every rank must make the same number). Positions are counted from the first
-    real prompt token, as in HF `generate`."""
+    real prompt token, as in HF `generate`.
+
+    check_every: the steps between the host's looks at whether all have stopped (each look
+    waits for the device); None: 8 on a GPU with a `generator`, so that the host queues the
+    next steps' kernels while the device runs, else 1. Steps run past the one where all had
+    stopped are dropped and the generator is put back as it was after that step: the rollout
+    and the generator's next draws are the same for every value (at most check_every - 1
+    decode forwards more)."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if group_size < 1:
@@ -328,6 +336,14 @@ def generate(
     next_pos = positions[:, -1] + 1  # (N,)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     toks, logps, masks = [], [], []
+    if check_every is None:
+        check_every = 8 if device.type == "cuda" and generator is not None else 1
+    if check_every < 1 or (check_every > 1 and generator is None):
+        raise ValueError(
+            f"check_every must be >= 1, and 1 without a generator (the default one's draws "
+            f"could not be put back), got {check_every}"
+        )
+    stopped, states = [], []  # since the last look: done.all() (device) and generator states
     for step in range(max_new_tokens):
         tok, logp, _ = sample(
             logits.float(), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
@@ -338,14 +354,28 @@ def generate(
         logps.append(torch.where(alive, logp.float(), 0.0))
         masks.append(alive.float())
         done = done | torch.isin(tok, eos)
-        if step == max_new_tokens - 1:  # the last token: no forward for the next one
+        last = step == max_new_tokens - 1  # (then no forward for a next token)
+        if last and check_every == 1:
             break
-        all_done = done.all()
-        if sync_stop and torch.distributed.is_initialized():
-            all_done = all_done.to(torch.int32)
-            torch.distributed.all_reduce(all_done, op=torch.distributed.ReduceOp.MIN)
-        if bool(all_done):
-            break
+        stopped.append(done.all())
+        if check_every > 1:
+            states.append(generator.get_state())
+        if last or len(stopped) == check_every:
+            flags = torch.stack(stopped).to(torch.int32)  # (k,)
+            if sync_stop and torch.distributed.is_initialized():  # stopped on every rank
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+            hit = flags.nonzero()  # the look: one host sync
+            if hit.numel():
+                first = int(hit[0, 0])  # the step all had stopped at, in this window
+                end = step - (len(stopped) - 1) + first + 1
+                del toks[end:], logps[end:], masks[end:]
+                if first < len(stopped) - 1:
+                    generator.set_state(states[first])
+                break
+            if last:
+                break
+            stopped.clear()
+            states.clear()
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
         out = model(
             input_ids=tok[:, None],
