@@ -228,3 +228,35 @@ def test_bad_thread_count_is_named(monkeypatch, value):
     monkeypatch.setenv("FASTRL_CPU_THREADS", value)
     with pytest.raises(ValueError, match=f"FASTRL_CPU_THREADS must be an int >= 1.*'{value}'"):
         fastrl.logprobs(torch.randn(4, 9), torch.zeros(4, dtype=torch.long))
+
+
+def test_per_token_temperature_over_many_chunks(monkeypatch):
+    """A per-token temperature tensor on the chunked one-pass path (policy loss) and the logprobs
+    backward, spread over 16 chunks: every chunk divides its rows by their own temperatures. A
+    chunk that took the first chunk's temperatures went unseen while the per-token temperature
+    tests had V small enough for one chunk."""
+    from fastrl import reference
+
+    _many_chunks(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 3, 37, 129
+    logits = torch.randn(B, T, V, generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, generator=g)
+    tau = 0.5 + torch.rand(B, T, generator=g)  # one temperature per token
+    assert chunked.chunk_step(B * T, V, torch.device("cpu")) == 7
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
+    grads = []
+    for impl in (fastrl, reference):
+        z = logits.clone().requires_grad_()
+        out = impl.policy_loss(z, tokens, adv, config="grpo", kl_coef=0.0, temperature=tau)
+        out.loss.backward()
+        zl = logits.clone().requires_grad_()
+        if impl is fastrl:
+            lp = fastrl.logprobs(zl, tokens, temperature=tau)
+        else:  # the oracle of test_temperature: the logits divided eagerly, at temperature 1
+            lp = reference.logprobs(zl / tau[..., None], tokens)
+        (lp * adv[:, None]).sum().backward()
+        grads.append((out.loss, out.logp, z.grad, lp, zl.grad))
+    for a, b in zip(*grads):
+        close(a, b)

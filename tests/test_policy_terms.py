@@ -176,6 +176,41 @@ def test_terms_kernel_bad_count_with_nothing_counted(agg, count, device, monkeyp
     assert fused.loss == 0
 
 
+def test_terms_kernel_ratio_max_is_over_counted_tokens(device, monkeypatch):
+    """ratio_max is the largest ratio of the COUNTED tokens: with every counted ratio below 1,
+    neither the lanes past N (N = 35 tokens of a 1024-token program, r = 1 there) nor masked
+    tokens with large ratios may raise it to 1 or beyond."""
+    inp = _per_token(5, 7, seed=2, device=device)
+    g = torch.Generator().manual_seed(2)
+    inp["old_logp"] = inp["logp"] + (0.1 + torch.rand(5, 7, generator=g)).to(device)  # r < 0.91
+    out = inp["mask"] == 0
+    assert out.any() and not out.all()
+    # masked old_logp is zeroed on the way in: logp = 2 makes r = e^2 at the masked tokens
+    inp["logp"] = inp["logp"].masked_fill(out, 2.0)
+    fused, torch_math = _outputs(inp, dict(config="grpo"), "triton", monkeypatch)
+    _assert_same(fused, torch_math)
+    assert fused.metrics["ratio_max"] < 0.91
+
+
+def test_terms_kernel_zero_advantages_are_never_clipped(device, monkeypatch):
+    """Per-token advantages with exact zeros on tokens whose ratios lie outside the clip range on
+    both sides: an A = 0 token counts in neither clipfrac_low nor clipfrac_high (SPEC 2: the
+    shares with A < 0 / A > 0), in the kernel as in the torch math."""
+    inp = _per_token(3, 40, seed=4, mask="bool", device=device)
+    g = torch.Generator().manual_seed(4)
+    adv = torch.randn(3, 40, generator=g)
+    adv[:, ::2] = 0.0  # every other token: A = 0, with ratios up to e^0.7 and down to e^-0.7
+    inp["advantages"] = adv.to(device)
+    fused, torch_math = _outputs(inp, dict(config="grpo", clip_dual=3.0), "triton", monkeypatch)
+    _assert_same(fused, torch_math)
+    r, m, a = fused.ratio, inp["mask"], inp["advantages"]
+    assert ((a == 0) & m & ((r > 1.2) | (r < 0.8))).sum() >= 10  # the case is exercised
+    want_high = ((a > 0) & m & (r > 1.2)).sum() / m.sum()
+    want_low = ((a < 0) & m & (r < 0.8)).sum() / m.sum()
+    torch.testing.assert_close(fused.metrics["clipfrac_high"], want_high.float())
+    torch.testing.assert_close(fused.metrics["clipfrac_low"], want_low.float())
+
+
 @needs_interpreter
 def test_terms_kernel_flat_and_packed(monkeypatch, launched):
     """Flat (N,) inputs and packed sequences (cu_seqlens, per-sequence advantages): the weights

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from conftest import ENGINES
 
 import fastrl
 from fastrl import reference
@@ -29,6 +30,14 @@ IMPLS = {"reference": reference, "fastrl": fastrl}
 @pytest.fixture(params=sorted(IMPLS))
 def impl(request):
     return IMPLS[request.param]
+
+
+@pytest.fixture(params=[p for p in ENGINES if p.id.startswith("cpu-")])
+def backend(request, monkeypatch):
+    """FASTRL_BACKEND for `fastrl`: the chunked torch path, and the Triton kernels in the
+    interpreter (the tables' inputs are CPU tensors; exact ties need the CPU's exp)."""
+    monkeypatch.setenv("FASTRL_BACKEND", request.param[1])
+    return request.param[1]
 
 
 def sigmoid(x: float) -> float:
@@ -97,6 +106,26 @@ def rows_case(impl, rows, **cfg):
     return out
 
 
+def exact_log_r(r: float) -> tuple[float, float]:
+    """(log_r for `run`, r_t): the ratio of the token run() makes from log_r is r_t EXACTLY, in
+    torch and in the interpreter's numpy alike. The fp32 old_t nearest -log 4 - log r is stepped
+    by ulps until both exp(logp_t - old_t) agree; r_t is within a few ulps of r. For exact ties
+    at a clip end (the same value on both sides of a clamp / max / min / threshold)."""
+    import numpy as np
+
+    logp = torch.tensor(-LOGV, dtype=torch.float32)
+    start = (logp.double() - math.log(r)).float()
+    up = down = start
+    for _ in range(200):
+        for old in (up, down):
+            x = logp - old
+            r_t = torch.exp(x)
+            if float(np.exp(x.numpy())) == r_t.item():
+                return -LOGV - old.item(), r_t.item()
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+    raise AssertionError(f"no fp32 old_t gives an exact ratio near {r}")
+
+
 # --------------------------------------------------------------------------- SPEC 1: ratio
 def test_ratio_token_level_and_on_policy(impl):
     out, g = run(impl, [[0.0, 0.0]], [[2.0, -3.0]], on_policy=True)
@@ -161,6 +190,24 @@ def test_ppo_clip_higher(impl):
     rows_case(impl, rows, clip_low=0.2, clip_high=0.28)
 
 
+def test_ppo_clip_ends_keep_the_gradient(backend):
+    """At r exactly 1 + eps_high (A > 0) or 1 - eps_low (A < 0) the two sides of the max tie and
+    the clamp sits at its end: autograd's clamp passes the gradient at both ends (inclusive), so
+    dl_t/dlogp_t = -A r (half through each side of the max; / 2 here for the token-mean), not
+    -A r / 2. A kernel that excluded the ends halved it. The clip ends are set to the exact fp32
+    ratios; nothing counts as clipped."""
+    log_hi, r_hi = exact_log_r(1.2)
+    log_lo, r_lo = exact_log_r(0.8)
+    cfg = dict(policy="ppo", clip_high=r_hi - 1.0, clip_low=1.0 - r_lo)
+    assert 1.0 + cfg["clip_high"] == r_hi and 1.0 - cfg["clip_low"] == r_lo
+    for impl in (reference, fastrl):
+        out, g = run(impl, [[log_hi, log_lo]], [[1.0, -1.0]], **cfg)
+        assert torch.equal(out.logp, torch.full_like(out.logp, -LOGV))  # so r is r_hi / r_lo
+        close(out.loss, (-r_hi + r_lo) / 2)
+        close(g, [[-r_hi / 2, r_lo / 2]], rtol=1e-6, atol=1e-7)
+        close(out.metrics["clipfrac"], 0.0)
+
+
 def test_ppo_clip_delta(impl):
     with_delta = [  # r~ = min(r, 2)
         (-1.0, 3.0, 2.0, 0.0),
@@ -182,6 +229,21 @@ def test_dual_clip(impl):
     ]
     out = rows_case(impl, rows, clip_dual=3.0)
     close(out.metrics["dualclip_frac"], 2 / 5)
+
+
+def test_dual_clip_tie_is_not_dual_clipped(backend):
+    """SPEC 2: dualclip_frac is the share of tokens where the dual clip bites, -A c < l: at
+    r = c exactly (A < 0) the two sides of the min are equal and the token does not count (the
+    gradient is half the unclipped one there: each side of the tied min takes half)."""
+    log_c, c = exact_log_r(3.0)
+    rows = [(-1.0, c, c, c / 2), (-1.0, 2.0, 2.0, 2.0), (-1.0, 5.0, c, 0.0)]
+    log_r = [log_c, math.log(2.0), math.log(5.0)]
+    for impl in (reference, fastrl):
+        out, g = run(impl, [log_r], [[row[0] for row in rows]], policy="ppo", clip_dual=c)
+        assert torch.equal(out.logp, torch.full_like(out.logp, -LOGV))  # so r_0 is c exactly
+        close(out.loss, sum(row[2] for row in rows) / 3)
+        close(g[0] * 3, [row[3] for row in rows])
+        close(out.metrics["dualclip_frac"], 1 / 3)
 
 
 def test_cispo(impl):
@@ -239,6 +301,20 @@ def test_clip_metrics(impl):
     close(out.metrics["clipfrac_high"], 1 / 2)
 
 
+def test_clip_metrics_zero_advantage(backend):
+    """A token with A = 0 counts in neither clip fraction, whatever its ratio (SPEC 2: the share
+    with A > 0 and r > 1 + eps_high, with A < 0 and r < 1 - eps_low): tokens (0, 1.5) and
+    (0, 0.5) next to one clipped token of each side. On the torch path and in the kernel."""
+    A = [0.0, 0.0, 1.0, -1.0, 0.0]
+    r = [1.5, 0.5, 1.5, 0.5, 3.0]
+    for impl in (reference, fastrl):
+        out, _ = run(impl, [[math.log(x) for x in r]], [A], policy="ppo")
+        close(out.metrics["clipfrac_high"], 1 / 5)
+        close(out.metrics["clipfrac_low"], 1 / 5)
+        close(out.metrics["clipfrac"], 2 / 5)
+        close(out.loss, (-1.2 + 0.8) / 5)
+
+
 # --------------------------------------------------------------------------- SPEC 3: rollout IS
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_rollout_is_token(impl, mode):
@@ -273,6 +349,21 @@ def test_rollout_is_sequence(impl, mode):
     close(out.metrics["is_weight_mean"], (2 * w0 + w1) / 3)
     close(out.metrics["is_weight_max"], 3.0)
     close(out.metrics["is_clipfrac"], 1 / 3)
+
+
+def test_rollout_is_sequence_on_policy(impl):
+    """Without old_logp (old = sg(logp)) the sequence weight still sums over the counted tokens
+    only: a masked token's old_t = logp_t != 0 while its rollout_logp (masked input) is zeroed,
+    so a sum over every token would take log w = -log 4 more there. Seq: log w = 0.2 + 0.3."""
+    w = math.exp(0.5)
+    out, g = run(
+        impl, [[0.0, 0.0, 0.0]], [1.0], mask=[[1, 1, 0]], roll_logw=[[0.2, 0.3, 1.0]],
+        on_policy=True, rollout_is="sequence",
+    )  # fmt: skip
+    close(out.loss, -w)  # r = 1: l = -A w, token-mean over 2 tokens
+    close(g, [[-w / 2, -w / 2, 0.0]])
+    close(out.metrics["is_weight_mean"], w)
+    close(out.metrics["is_weight_max"], w)
 
 
 def test_rollout_is_clamp_at_20(impl):
