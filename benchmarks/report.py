@@ -63,6 +63,19 @@ def _label(method: str, meta: dict) -> str:
     return method.replace("trl-eager", "trl-triton") if _cuda(meta) else method
 
 
+def _verl_heads(rows: list[dict]) -> str:
+    """The fused-linear intro's sentence on verl's LM-head rows, where the file has them."""
+    names = {r["method"] for r in rows}
+    parts = []
+    if "verl-fused-linear" in names:
+        parts.append("`verl-fused-linear` is what verl 0.9.1's actor runs with use_fused_kernels "
+                     "(its default torch backend): `FusedLinearForPPO` as verl's models build it, "
+                     "512-row chunks")  # fmt: skip
+    if "verl-linear-ce" in names:
+        parts.append("`verl-linear-ce` its Triton backend, `linear_cross_entropy`")
+    return ("; " + ", ".join(parts) + ", each then verl's own GRPO math") if parts else ""
+
+
 def _trl_rows(meta: dict) -> str:
     """What the trl-eager rows of a file ran, on its device (an intro's sentence)."""
     if _cuda(meta):
@@ -248,6 +261,7 @@ def _fused_linear(data: dict) -> list[str]:
         "runs: its fused LM head's `ChunkedLogProbFunction`"
         + (" (chunk folds as TRL's Triton kernels on CUDA)" if _cuda(meta) else " (torch tiles "
            "on the CPU)")
+        + _verl_heads(rows)
         + f". Peak memory in MiB. {_machine(meta)}."
     )  # fmt: skip
     columns = ["method", "N, H", "dtype", "median ms (q20-q80)", "x GEMM floor", "TFLOP/s"]
