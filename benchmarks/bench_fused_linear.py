@@ -236,7 +236,8 @@ def build_methods(hidden, weight, li, full, masked, args, notes):
 
         methods["trl-chunked"] = loss_step(chunked)
     if {"verl-fused-linear", "verl-linear-ce"} & wanted and not args.no_verl:
-        methods.update(verl_methods(tok, adv, old, ref, full, wanted, notes))
+        for name, loss_fn in verl_losses(tok, adv, old, ref, full, wanted, notes).items():
+            methods[name] = loss_step(loss_fn)
     if "liger-fused-linear" in wanted and not args.no_liger:
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -270,10 +271,11 @@ def build_methods(hidden, weight, li, full, masked, args, notes):
     return methods
 
 
-def verl_methods(tok, adv, old, ref, mask, wanted, notes) -> dict:
-    """verl's fused LM heads (the rows verl-fused-linear and verl-linear-ce, see the module
-    docstring), each then verl's GRPO math; none, with the reason in `notes`, where verl does not
-    import (or, for the Triton head, off CUDA)."""
+def verl_losses(tok, adv, old, ref, mask, wanted, notes) -> dict:
+    """name -> loss(h, w): verl's fused LM heads (the rows verl-fused-linear and verl-linear-ce,
+    see the module docstring), each then verl's GRPO math; none, with the reason in `notes`,
+    where verl does not import (or, for the Triton head, off CUDA)."""
+    names = [n for n in ("verl-fused-linear", "verl-linear-ce") if n in wanted]
     try:
         note = import_verl()
         from verl.utils.experimental.torch_functional import FusedLinearForPPO
@@ -281,39 +283,30 @@ def verl_methods(tok, adv, old, ref, mask, wanted, notes) -> dict:
         verl_grpo_math = make_verl_grpo_math()
     except Exception as e:  # not installed, or one of its dependencies missing
         why = f"skipped: `import verl` failed ({type(e).__name__}: {e})"[:300]
-        notes.update({n: why for n in ("verl-fused-linear", "verl-linear-ce") if n in wanted})
+        notes.update(dict.fromkeys(names, why))
         return {}
-
-    def head_then_math(head):
-        def step(h, w):
-            logp, _entropy = head(h, w)
-            loss = verl_grpo_math(logp.float(), old, ref, adv, mask)
-            loss.backward()
-            return loss
-
-        return step
-
-    methods = {}
-    if "verl-fused-linear" in wanted:
+    heads = {}
+    if "verl-fused-linear" in names:
         fused = FusedLinearForPPO()  # verl's models build it so: chunk_size 512, "torch"
-        methods["verl-fused-linear"] = head_then_math(
-            lambda h, w: fused(hidden_states=h, vocab_weights=w, input_ids=tok, temperature=1.0)
+        heads["verl-fused-linear"] = lambda h, w: fused(
+            hidden_states=h, vocab_weights=w, input_ids=tok, temperature=1.0
         )
-        if note:
-            notes["verl-fused-linear"] = note
-    if "verl-linear-ce" in wanted:
-        if tok.device.type != "cuda":
-            notes["verl-linear-ce"] = "skipped: verl's linear_cross_entropy is CUDA only"
-        else:
-            from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+    if "verl-linear-ce" in names and tok.device.type != "cuda":
+        notes["verl-linear-ce"] = "skipped: verl's linear_cross_entropy is CUDA only"
+    elif "verl-linear-ce" in names:
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
 
-            B, T = tok.shape
-            methods["verl-linear-ce"] = head_then_math(
-                lambda h, w: [x.view(B, T) for x in linear_cross_entropy(h, w, tok, 1.0, "none")]
-            )
-            if note:
-                notes["verl-linear-ce"] = note
-    return methods
+        B, T = tok.shape
+        heads["verl-linear-ce"] = lambda h, w: [
+            x.view(B, T) for x in linear_cross_entropy(h, w, tok, 1.0, "none")
+        ]
+
+    def then_math(head):
+        return lambda h, w: verl_grpo_math(head(h, w)[0].float(), old, ref, adv, mask)
+
+    if note:  # imported with a stand-in for ray (_baselines.import_verl)
+        notes.update(dict.fromkeys(heads, note))
+    return {name: then_math(head) for name, head in heads.items()}
 
 
 def leaves(hidden, weight):

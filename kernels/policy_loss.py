@@ -826,9 +826,8 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     logp, entropy, lse, shifted = row_stats(logits, tokens, temperature, shift=True)
     if terms is None:  # a sequence-level loss: (g, h) from the O(N) torch math
         g, h = grad_fn(logp, entropy)
-        row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted)
-        return logp, entropy
-    g, h = token_grads(logp.reshape(-1), terms)
-    h = h if terms.entropy_coef != 0 else None  # (HAS_GRAD_ENTROPY off)
+    else:  # one O(N) kernel
+        g, h = token_grads(logp.reshape(-1), terms)
+        h = h if terms.entropy_coef != 0 else None  # (HAS_GRAD_ENTROPY off)
     row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted)
     return logp, entropy
