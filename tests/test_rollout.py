@@ -158,6 +158,30 @@ def test_looking_every_k_steps_gives_the_same_rollout_and_generator(temperature,
         generate(model, prompts, 1, 4, tok.eos_token_id, tok.pad_token_id, check_every=2)
 
 
+def test_greedy_without_a_generator_looks_every_k_steps():
+    """The eval's greedy generation (temperature 0, no generator) draws nothing, so it may look
+    every k steps too (8 on a GPU by default): the same rollout for every window, and the
+    default generator untouched."""
+    tok = default_tokenizer()
+    model = default_model(len(tok), seed=3, hidden=32, layers=2).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[tok.eos_token_id] *= 20
+    prompts, runs = _ids(tok, PROMPTS), []
+    for every in (1, 3, 8, 40):
+        state = torch.get_rng_state()
+        r = generate(model, prompts, 1, 40, tok.eos_token_id, tok.pad_token_id,
+                     temperature=0.0, check_every=every)  # fmt: skip
+        assert torch.equal(torch.get_rng_state(), state), every
+        runs.append(r)
+    assert 1 < runs[0].completion_ids.shape[1] < 40
+    for r, every in zip(runs[1:], (3, 8, 40)):
+        for f in ("completion_ids", "completion_mask", "sampler_logp", "truncated"):
+            assert torch.equal(getattr(r, f), getattr(runs[0], f)), (every, f)
+    with pytest.raises(ValueError, match="check_every"):  # draws from the default generator
+        generate(model, prompts, 1, 4, tok.eos_token_id, tok.pad_token_id,
+                 temperature=0.5, check_every=2)  # fmt: skip
+
+
 def test_eos_ids_put_the_tokenizers_eos_first():
     """The supervised warm-up ends its targets with eos[0]: the tokenizer's EOS, not the
     smallest id of the generation config's list (Qwen2.5-Instruct: <|im_end|> = 151645 with

@@ -310,11 +310,11 @@ def generate(
     real prompt token, as in HF `generate`.
 
     check_every: the steps between the host's looks at whether all have stopped (each look
-    waits for the device); None: 8 on a GPU with a `generator`, so that the host queues the
-    next steps' kernels while the device runs, else 1. Steps run past the one where all had
-    stopped are dropped and the generator is put back as it was after that step: the rollout
-    and the generator's next draws are the same for every value (at most check_every - 1
-    decode forwards more)."""
+    waits for the device); None: 8 on a GPU with a `generator` or greedy (temperature 0, which
+    draws nothing), so that the host queues the next steps' kernels while the device runs,
+    else 1. Steps run past the one where all had stopped are dropped and the generator is put
+    back as it was after that step: the rollout and the generator's next draws are the same
+    for every value (at most check_every - 1 decode forwards more)."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if group_size < 1:
@@ -336,12 +336,14 @@ def generate(
     next_pos = positions[:, -1] + 1  # (N,)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     toks, logps, masks = [], [], []
+    # draws from the default generator (no `generator`, not greedy) could not be put back
+    restorable = generator is not None or (not isinstance(temperature, Tensor) and temperature == 0)
     if check_every is None:
-        check_every = 8 if device.type == "cuda" and generator is not None else 1
-    if check_every < 1 or (check_every > 1 and generator is None):
+        check_every = 8 if device.type == "cuda" and restorable else 1
+    if check_every < 1 or (check_every > 1 and not restorable):
         raise ValueError(
-            f"check_every must be >= 1, and 1 without a generator (the default one's draws "
-            f"could not be put back), got {check_every}"
+            f"check_every must be >= 1, and 1 when sampling without a generator (the default "
+            f"one's draws could not be put back), got {check_every}"
         )
     stopped, states = [], []  # since the last look: done.all() (device) and generator states
     for step in range(max_new_tokens):
@@ -358,7 +360,7 @@ def generate(
         if last and check_every == 1:
             break
         stopped.append(done.all())
-        if check_every > 1:
+        if check_every > 1 and generator is not None:
             states.append(generator.get_state())
         if last or len(stopped) == check_every:
             flags = torch.stack(stopped).to(torch.int32)  # (k,)
@@ -369,7 +371,7 @@ def generate(
                 first = int(hit[0, 0])  # the step all had stopped at, in this window
                 end = step - (len(stopped) - 1) + first + 1
                 del toks[end:], logps[end:], masks[end:]
-                if first < len(stopped) - 1:
+                if first < len(stopped) - 1 and generator is not None:
                     generator.set_state(states[first])
                 break
             if last:
