@@ -142,6 +142,36 @@ def test_a_checkpoint_sampled_on_another_device_type_resumes_and_says_so(
     assert steps[0]["step"] == 3 and steps[0] == steps[1]
 
 
+def test_a_resume_in_another_dtype_says_so(two_step_run, tmp_path, capsys):
+    """Each checkpoint records the dtype the run computed in (what --dtype auto resolved to on
+    its device). A GPU run's bf16 resumed on the CPU computes in fp32 under auto: the resume
+    says so, and --dtype may be given with --resume to choose (here bf16 over a saved fp32)."""
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    state = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["compute_dtype"] == "fp32"  # --dtype auto on the CPU
+    rc = main(["train", "--resume", str(out), "--steps", "3", "--progress", "false"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "at step 2" in text and "computing in" not in text, text
+    argv = ["train", "--resume", str(out), "--steps", "4", "--dtype", "bf16"]
+    rc = main([*argv, "--progress", "false"])
+    text, err = capsys.readouterr()
+    assert rc == 0, text + err
+    assert "--dtype" not in err  # taken, not "ignoring --dtype"
+    assert "step-000003 was trained computing in fp32; this run computes in bf16" in text, text
+    state = json.loads((out / "checkpoints" / "step-000004" / "state.json").read_text())
+    assert state["compute_dtype"] == "bf16"
+
+
+def test_the_resume_docs_name_every_option_a_resume_may_change():
+    """--resume's help lists the options that may be given anew (RESUME_OVERRIDABLE)."""
+    from fastrl.train.cli_args import RESUME_OVERRIDABLE, field_docs
+
+    doc = field_docs(TrainConfig)["resume"]
+    named = {w.strip(",.()").removeprefix("--").replace("-", "_") for w in doc.split()}
+    assert set(RESUME_OVERRIDABLE) <= named, set(RESUME_OVERRIDABLE) - named
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_run_moves_between_cpu_and_cuda(tmp_path, capsys):

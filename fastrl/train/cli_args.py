@@ -25,6 +25,7 @@ from .config import TrainConfig
 RESUME_OVERRIDABLE = (
     "steps",
     "device",
+    "dtype",
     "progress",
     "num_threads",
     "save_every",

@@ -113,7 +113,9 @@ class TrainConfig:
 
     resume: str | None = None
     """Resume from this output directory's last complete checkpoint (the run continues exactly
-    as if uninterrupted; the other options are taken from its config.json)."""
+    as if uninterrupted; the other options are taken from its config.json, except --steps,
+    --device, --dtype, --progress, --num-threads, --save-every, --eval-every,
+    --reward-timeout, --max-time and --report-to, which may be given anew)."""
 
     force: bool = False
     """Start a fresh run in an --out directory that already holds a run (config.json,

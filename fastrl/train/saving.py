@@ -58,6 +58,7 @@ def save(run: Run, state: TrainState) -> str | None:
     ckpt = None
     if run.rank == 0:
         meta = {"step": state.step, "world": run.world, "config": cfg.to_dict()}
+        meta["compute_dtype"] = run.compute_dtype  # what --dtype resolved to (auto: the device)
         meta["rng"] = rank_states[0]
         ckpt = ckpt_io.save_checkpoint(
             os.path.join(cfg.out, "checkpoints"),
@@ -176,7 +177,22 @@ def _load(run: Run, state: TrainState, ckpt: str) -> None:
             f"starts afresh from a seed of --seed, the rank and the step: the run goes on, but "
             f"draws other samples than one that stayed on {saved_on} would"
         )
+    _check_dtype(run, ckpt, meta)
     _check_export(run, ckpt)
+
+
+def _check_dtype(run: Run, ckpt: str, meta: dict) -> None:
+    """Say so when this run computes in another dtype than the run that saved `ckpt` (e.g. a
+    bf16 GPU run resumed on the CPU, where --dtype auto is fp32): the run goes on, with other
+    rounding; --dtype may be given with --resume to keep the saved one."""
+    saved = meta.get("compute_dtype")  # (absent from an older fastrl's checkpoints)
+    if saved is None or saved == run.compute_dtype:
+        return
+    why = f"--dtype auto on {run.device.type}" if run.cfg.dtype == "auto" else "--dtype"
+    run.console.log(
+        f"note: {ckpt} was trained computing in {saved}; this run computes in "
+        f"{run.compute_dtype} ({why}); resume with --dtype {saved} to keep it"
+    )
 
 
 def _reseed(seed: int, rank: int, step: int, name: str) -> int:
