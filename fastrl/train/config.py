@@ -278,8 +278,10 @@ class TrainConfig:
     None or 0: keep every checkpoint."""
 
     max_time: float = 0.0
-    """Stop after this many seconds of RL (checked after each step; evaluates and saves as at
-    the last step). 0: no limit, run --steps steps."""
+    """Stop after this many seconds of RL: the RL loop's wall time, its evaluations and
+    checkpoints included (checked after each step; that step then evaluates and saves as the
+    last one does, so a run ends up to one step, one eval and one save past the limit). 0: no
+    limit, run --steps steps."""
 
     fsdp: bool = False
     """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard: each decoder
