@@ -269,3 +269,48 @@ def test_the_lm_head_ops_compile_where_dynamo_cannot_trace_is_autocast_available
         grads.append((loss.detach(), h.grad, w.grad))
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_verls_compiled_entropy_with_fastrl_installed():
+    """verl's engines wrap `entropy_from_logits` (or its chunking variant) in
+    torch.compile(dynamic=True) by default (`use_torch_compile`). With fastrl's verl drop-in
+    installed first, that compiles fastrl's op with symbolic shapes: the compiled entropy and
+    log-probs equal verl's own functions over changing row counts (verl's remove-padding rows
+    are 2-D, its padded batches 3-D), gradients too."""
+    pytest.importorskip("verl")
+    import verl.utils.torch_functional as verl_F
+
+    import fastrl.integrations.verl as fastrl_verl
+
+    theirs = {n: getattr(verl_F, n) for n in ("entropy_from_logits", "logprobs_from_logits",
+                                              "entropy_from_logits_with_chunking")}  # fmt: skip
+    fastrl_verl.install(losses=False)
+    try:
+        for name in ("entropy_from_logits", "entropy_from_logits_with_chunking"):
+            assert getattr(verl_F, name) is not theirs[name]  # routed to fastrl
+            ours = torch.compile(getattr(verl_F, name), dynamic=True)
+            for shape in ((5, 37), (9, 37), (2, 3, 37), (4, 3, 37)):
+                if name.endswith("chunking") and len(shape) == 3:
+                    continue  # (verl calls it on rows only)
+                x = (torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+                     * 3).requires_grad_()  # fmt: skip
+                x_ref = x.detach().clone().requires_grad_()
+                w = torch.rand(shape[:-1])
+                got, want = ours(x), theirs[name](x_ref)
+                torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+                (got * w).sum().backward()
+                (want * w).sum().backward()
+                torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+        ours = torch.compile(verl_F.logprobs_from_logits, dynamic=True)
+        for n in (5, 11):
+            x = torch.randn(n, 37, requires_grad=True)
+            y = torch.randint(0, 37, (n,))
+            x_ref = x.detach().clone().requires_grad_()
+            got, want = ours(x, y), theirs["logprobs_from_logits"](x_ref, y)
+            torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+            got.sum().backward()
+            want.sum().backward()
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        fastrl_verl.uninstall()
+    assert verl_F.entropy_from_logits is theirs["entropy_from_logits"]

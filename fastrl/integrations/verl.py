@@ -24,8 +24,9 @@
    Megatron's tensor-parallel group verl's kernel runs) -> `fastrl.linear_logprobs`
    (hidden states and lm_head weight in, (B, T, V) logits never held). Modules that imported
    these names already are patched too; engines that cached them (verl's FSDP engine keeps
-   `compute_entropy_from_logits`) must be built after `install()`. Log-probs and entropies
-   come back in fp32 (verl's own log-probs follow the logits' dtype).
+   `compute_entropy_from_logits`) must be built after `install()`; their default
+   torch.compile(dynamic=True) of it then traces fastrl's op (symbolic shapes, tested). Log-probs
+   and entropies come back in fp32 (verl's own log-probs follow the logits' dtype).
 
 verl runs its workers in Ray processes: set `VERL_USE_EXTERNAL_MODULES=fastrl.integrations.verl`
 in their environment (verl imports the listed modules when it is imported; this module then
