@@ -128,9 +128,17 @@ def _positive_count(count: Tensor | float, device) -> Tensor | float:
     return torch.where(torch.isfinite(count) & (count > 0), count, float("nan"))
 
 
+def nan_if_inf(x: Tensor) -> Tensor:
+    """x with ±inf replaced by NaN: a caller's log-probs (old, reference, rollout) as the loss
+    reads them, so that a non-finite one makes the loss NaN (SPEC 1: never the finite value the
+    ±20 clamp of the log-ratio would give it; a logp of -inf from a -inf logit is the policy's
+    own, not an input, and keeps the clamp's r = e^-20)."""
+    return torch.where(torch.isinf(x), float("nan"), x)
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token KL(π || π_ref) estimate with x = ref_logp - logp (SPEC 4)."""
-    x = ref_logp - logp
+    x = nan_if_inf(ref_logp) - logp
     if estimator == "k1":
         return -x
     if estimator == "abs":
@@ -256,7 +264,7 @@ def rollout_is_weights(
     """SPEC 3, detached, (B, T) each: `is_weight` w_t (truncated or masked), `is_weight_raw`
     before that, `is_over_cap` 1 where the raw weight lies outside [floor, cap]. Token level:
     w_t = exp(old_t - rollout_t); sequence level: the exp of the masked sum over the sequence."""
-    log_is_weight = (old_logp - rollout_logp).detach()
+    log_is_weight = (nan_if_inf(old_logp) - nan_if_inf(rollout_logp)).detach()
     if cfg.rollout_is == "sequence":
         log_is_weight = masked_sum(log_is_weight, mask, -1, keepdim=True).expand_as(old_logp)
     is_weight_raw = torch.exp(torch.clamp(log_is_weight, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -354,7 +362,7 @@ def token_terms(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> TokenTerms:
     cfg = x.config
     mask = x.mask  # (B, T) fp32
     A = x.advantages  # (B, T)
-    old_logp = logp.detach() if x.old_logp is None else x.old_logp
+    old_logp = logp.detach() if x.old_logp is None else nan_if_inf(x.old_logp)
     seq_lengths = None  # (B, 1): |y_i|, for the sequence-level options only
     if cfg.ratio_level == "sequence" or cfg.kl_bias_correction:
         seq_lengths = mask.sum(-1, keepdim=True)

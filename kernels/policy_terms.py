@@ -65,6 +65,15 @@ def _clamp_grad(x, lo, hi, dx):
 
 
 @triton.jit
+def _load_logp(ptr, offs, inb):
+    # a caller's log-probs (old_logp / ref_logp) at offs: +-inf is read as NaN
+    # (fastrl.terms.nan_if_inf: a non-finite input makes the loss NaN, never the finite value
+    # the +-20 clamp of the log-ratio would give it)
+    x = tl.load(ptr + offs, mask=inb, other=0.0)
+    return tl.where((x == float("inf")) | (x == float("-inf")), float("nan"), x)
+
+
+@triton.jit
 def _max_grad(a, b, da, db):
     # torch.maximum(a, b) (NaN if either is) and its derivative (a tie splits it half and half,
     # as autograd does)
@@ -205,10 +214,10 @@ def _token_grads(
     adv = tl.load(adv_ptr + offs, mask=inb, other=0.0)
     old = logp
     if has_old != 0:
-        old = tl.load(old_ptr + offs, mask=inb, other=0.0)
+        old = _load_logp(old_ptr, offs, inb)
     ref = logp
     if kl_est >= 0:
-        ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
+        ref = _load_logp(ref_ptr, offs, inb)
     is_weight = tl.zeros_like(c) + 1.0
     if has_is != 0:
         is_weight = tl.load(is_weight_ptr + offs, mask=inb, other=1.0)
@@ -306,10 +315,10 @@ def _policy_terms_fwd_kernel(
     adv = tl.load(adv_ptr + offs, mask=inb, other=0.0)
     old = logp
     if has_old != 0:
-        old = tl.load(old_ptr + offs, mask=inb, other=0.0)
+        old = _load_logp(old_ptr, offs, inb)
     ref = logp
     if kl_est >= 0:
-        ref = tl.load(ref_ptr + offs, mask=inb, other=0.0)
+        ref = _load_logp(ref_ptr, offs, inb)
     is_weight = tl.zeros_like(logp) + 1.0  # (0 * logp: NaN at logp = -inf)
     if has_is != 0:
         is_weight = tl.load(is_weight_ptr + offs, mask=inb, other=1.0)

@@ -556,6 +556,44 @@ def test_masked_nan_never_reaches_loss_or_gradient(engine, preset):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize(
+    "which, config",
+    [
+        ("old_logp", "grpo"),
+        ("old_logp", "gspo"),
+        ("old_logp", "dapo"),
+        ("ref_logp", dict(config="grpo", kl_coef=0.04, kl_estimator="low_var_kl")),
+        ("ref_logp", dict(config="grpo", kl_coef=0.04, kl_estimator="k3")),
+        ("rollout_logp", dict(config="grpo", rollout_is="token")),
+        ("rollout_logp", dict(config="grpo", rollout_is="sequence", rollout_is_mode="mask")),
+    ],
+)
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf")])
+def test_an_infinite_log_prob_input_gives_nan_not_the_clamps_bound(engine, which, config, bad):
+    """old_logp = -inf (say) makes log r = +inf, which the ±20 clamp of SPEC 1 / 3 / 4 would
+    turn into the finite e^20 (a loss of ~1e8 for A < 0, a wrong number): a ±inf old, reference
+    or rollout log-prob at a counted token makes the loss NaN instead, on every backend. At a
+    masked token it reaches nothing."""
+    device, _ = engine
+    b = batch(B=3, device=device)
+    if which == "rollout_logp":
+        b["rollout_logp"] = b["old_logp"] - 0.1
+    kw = dict(config=config) if isinstance(config, str) else dict(config)
+    b["mask"][0, 1] = True
+    dirty = {k: v.clone() for k, v in b.items()}
+    dirty[which][0, 1] = bad
+    logits = b.pop("logits")
+    dirty.pop("logits")
+    out, _ = grad_of(fastrl.policy_loss, logits, **dirty, **kw)
+    assert out.loss.isnan(), out.loss
+    b["mask"][0, 1] = dirty["mask"][0, 1] = False  # the same token masked: no effect
+    out, got = grad_of(fastrl.policy_loss, logits, **dirty, **kw)
+    want_out, want = grad_of(fastrl.policy_loss, logits, **b, **kw)
+    torch.testing.assert_close(out.loss, want_out.loss)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
 @pytest.mark.parametrize("preset", ["grpo", "gspo", "dapo"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_nan_logits_reach_the_gradient_of_counted_rows_only(engine, preset, poison):
