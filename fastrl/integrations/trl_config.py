@@ -7,7 +7,9 @@ TRL option). `fastrl.integrations.trl` re-exports it beside the drop-in GRPOTrai
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import LossConfig, LossConfigError
@@ -33,6 +35,32 @@ _VLLM_IS_MODES = {
 }
 
 
+# The GRPOConfig options read here, with TRL 1.16's defaults: what an object without the
+# attribute, or a mapping without the key, means (tests check them against trl.GRPOConfig)
+_TRL_DEFAULTS = {
+    "loss_type": "dapo",
+    "off_policy_mask_threshold": None,
+    "top_entropy_quantile": 1.0,
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "importance_sampling_level": "token",
+    "beta": 0.0,
+    "use_bias_correction_kl": True,
+    "temperature": 1.0,
+    "delta": None,
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+    "max_completion_length": 512,
+    "use_vllm": False,
+    "vllm_importance_sampling_correction": True,
+    "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_max": 3.0,
+    "vllm_importance_sampling_clip_min": None,
+}
+
+
 # LossConfig field -> the TRL option it is read from (for errors)
 _TRL_OPTIONS = {
     "clip_low": "epsilon",
@@ -52,12 +80,40 @@ def _unsupported(option: str, value: Any, why: str) -> ValueError:
     return ValueError(f"TRL option {option}={value!r} has no fastrl equivalent: {why}")
 
 
+def _option_reader(args: Any):
+    """get(name) over `args`: a GRPOConfig-like object's attributes or a mapping's keys (e.g.
+    `GRPOConfig.to_dict()`), TRL's default (`_TRL_DEFAULTS`) where one is absent; with TRL
+    installed, a key that is no GRPOConfig field is refused (a misspelt option would silently
+    read as its default). ValueError for anything else (None, a number, a string)."""
+    if isinstance(args, Mapping):
+        try:
+            import trl
+
+            known = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+        except ImportError:  # (no TRL: the keys cannot be checked)
+            known = None
+        unknown = sorted(k for k in args if known is not None and k not in known)
+        if unknown:
+            raise ValueError(
+                f"args: {unknown} are not trl.GRPOConfig fields (a misspelt option would be "
+                "read as its default)"
+            )
+        return lambda name: args.get(name, _TRL_DEFAULTS[name])
+    if args is None or isinstance(args, (str, bytes, numbers.Number)):
+        raise ValueError(
+            f"args must be a trl.GRPOConfig (or an object or mapping with its fields), got "
+            f"{type(args).__name__} {args!r}"
+        )
+    return lambda name: getattr(args, name, _TRL_DEFAULTS[name])
+
+
 def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
-    """LossConfig equal to TRL's GRPO loss for `args` (a trl.GRPOConfig, or any object with its
-    fields); `overrides` are LossConfig fields applied last. Passing `entropy_coef` as an
-    override means the caller handles TRL's entropy bonus (then TRL's own is not checked)."""
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    loss_type = get("loss_type", "dapo")
+    """LossConfig equal to TRL's GRPO loss for `args` (a trl.GRPOConfig, any object with its
+    fields, or a mapping of them, e.g. its `to_dict()`); `overrides` are LossConfig fields
+    applied last. Passing `entropy_coef` as an override means the caller handles TRL's entropy
+    bonus (then TRL's own is not checked)."""
+    get = _option_reader(args)
+    loss_type = get("loss_type")
     if loss_type not in _LOSS_TYPES:
         raise _unsupported("loss_type", loss_type, f"supported: {sorted(_LOSS_TYPES)}")
     if get("off_policy_mask_threshold") is not None:
@@ -66,7 +122,7 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
             get("off_policy_mask_threshold"),
             "SPEC has no off-policy sequence mask (DeepSeek-V3.2's KL-thresholded drop)",
         )
-    quantile = get("top_entropy_quantile", 1.0)
+    quantile = get("top_entropy_quantile")
     if quantile is not None and quantile < 1.0:  # 0.0 too: TRL then keeps the top token only
         raise _unsupported(
             "top_entropy_quantile",
@@ -74,11 +130,11 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
             "SPEC has no entropy-quantile token mask (it needs a global quantile)",
         )
     policy, agg = _LOSS_TYPES[loss_type]
-    eps_low = get("epsilon", 0.2)
+    eps_low = get("epsilon")
     eps_high = get("epsilon_high") if get("epsilon_high") is not None else eps_low
-    level = get("importance_sampling_level", "token")
-    beta = float(get("beta", 0.0) or 0.0)
-    bias_correction = bool(get("use_bias_correction_kl", False)) and beta > 0
+    level = get("importance_sampling_level")
+    beta = float(get("beta") or 0.0)
+    bias_correction = bool(get("use_bias_correction_kl")) and beta > 0
     fields: dict[str, Any] = dict(
         policy=policy,
         agg=agg,
@@ -88,16 +144,16 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
         kl_bias_correction=bias_correction,
         # TRL multiplies the KL by `coef_1`, the ratio of importance_sampling_level
         kl_bias_ratio=level,
-        temperature=float(get("temperature", 1.0)),
+        temperature=float(get("temperature")),
         # TRL applies `delta` (two-sided clipping) to the PPO-style losses only; cispo / sapo
         # ignore it there, so they do here
         clip_delta=get("delta") if policy == "ppo" else None,
-        sapo_tau_pos=float(get("sapo_temperature_pos", 1.0)),
-        sapo_tau_neg=float(get("sapo_temperature_neg", 1.05)),
+        sapo_tau_pos=float(get("sapo_temperature_pos")),
+        sapo_tau_neg=float(get("sapo_temperature_neg")),
     )
     if "entropy_coef" not in overrides:
-        entropy_coef = float(get("entropy_coef", 0.0) or 0.0)
-        if get("use_adaptive_entropy", False):
+        entropy_coef = float(get("entropy_coef") or 0.0)
+        if get("use_adaptive_entropy"):
             raise _unsupported(
                 "use_adaptive_entropy",
                 True,
@@ -136,7 +192,7 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
                 "every sequence's token sum by it, so it must be an int >= 1"
             )
         fields["max_len"] = int(max_len)
-    if get("use_vllm", False) and get("vllm_importance_sampling_correction", False):
+    if get("use_vllm") and get("vllm_importance_sampling_correction"):
         mode = get("vllm_importance_sampling_mode")
         if mode not in _VLLM_IS_MODES:
             raise _unsupported("vllm_importance_sampling_mode", mode, f"{sorted(_VLLM_IS_MODES)}")

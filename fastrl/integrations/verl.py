@@ -121,6 +121,11 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
     (when no global batch size is given); a LossConfig without `num_seqs` divides by every
     row of the batch, empty ones included. Where a batch may hold an empty row, pass
     `num_seqs=(mask.sum(-1) > 0).sum()` (the registered loss `fastrl*` does)."""
+    if actor is None or isinstance(actor, (str, bytes, int, float, bool)):
+        raise ValueError(
+            f"actor must be verl's actor config (a mapping, DictConfig or dataclass with its "
+            f"fields, e.g. config.actor_rollout_ref.actor), got {type(actor).__name__} {actor!r}"
+        )
     clip = _get(actor, "clip_ratio", 0.2)
     if loss_mode is None:
         loss_mode = _get(_get(actor, "policy_loss", {}), "loss_mode", "vanilla")
