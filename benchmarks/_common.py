@@ -555,9 +555,31 @@ def bench_parser(
     return p
 
 
+# options that size a benchmark (rows, vocabulary, hidden, repetitions): each must be >= 1
+_POSITIVE_OPTIONS = ("B", "T", "V", "N", "H", "S", "rep", "slow_rep", "group_size")
+
+
+def check_sizes(parser: argparse.ArgumentParser, args) -> None:
+    """parser.error (exit 2, naming the option) for a size option below 1, a --warmup below 0
+    or a --shapes item that is not positive integers joined by x (0 / -1 would otherwise run
+    the default shape or end in a traceback from torch)."""
+    for name in _POSITIVE_OPTIONS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if isinstance(getattr(args, "warmup", None), int) and args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    for item in (getattr(args, "shapes", None) or "").split(","):
+        dims = item.lower().split("x")
+        if item and not all(d.isdigit() and int(d) >= 1 for d in dims):
+            parser.error(f"--shapes: {item!r} is not sizes >= 1 joined by x (e.g. 16x128x32000)")
+
+
 def parse_bench_args(parser: argparse.ArgumentParser, argv=None) -> tuple:
-    """(the parsed options, the torch.device of --device: "auto" is cuda when available)."""
+    """(the parsed options, the torch.device of --device: "auto" is cuda when available); the
+    size options checked (`check_sizes`)."""
     args = parser.parse_args(argv)
+    check_sizes(parser, args)
     name = args.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

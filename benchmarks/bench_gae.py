@@ -43,6 +43,7 @@ from _common import (  # noqa: E402
     add_out_arg,
     add_traffic,
     busy_processes,
+    check_sizes,
     cpu_rates,
     device_info,
     keep_rows_on_interrupt,
@@ -147,6 +148,7 @@ def main() -> None:
     add_out_arg(p, "bench_gae")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    check_sizes(p, args)
     if args.memory_child:
         return memory_child(args)
     cuda = torch.device(args.device).type == "cuda"

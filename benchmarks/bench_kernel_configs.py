@@ -167,6 +167,7 @@ def main(argv=None) -> None:
     p.add_argument("--rep", type=float, default=40, help="do_bench repetitions (ms)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU + TRITON_INTERPRET)")
     args = p.parse_args(argv)
+    common.check_sizes(p, args)
     cuda = torch.cuda.is_available() and not args.quick
     device = "cuda" if cuda else "cpu"
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":

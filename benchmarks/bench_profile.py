@@ -43,6 +43,7 @@ from _common import (  # noqa: E402
     _pyplot,
     _save_figure,
     add_out_arg,
+    check_sizes,
     device_info,
     keep_rows_on_interrupt,
     write_results,
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     add_out_arg(p, "bench_profile")
     args = p.parse_args(argv)
+    check_sizes(p, args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype_name = args.dtype or ("bf16" if cuda else "fp32")

@@ -37,6 +37,7 @@ from _common import (  # noqa: E402
     add_out_arg,
     add_traffic,
     busy_processes,
+    check_sizes,
     cpu_rates,
     device_info,
     keep_rows_on_interrupt,
@@ -99,6 +100,7 @@ def main() -> None:
     add_out_arg(p, "bench_sample")
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    check_sizes(p, args)
     cuda = torch.device(args.device).type == "cuda"
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     if args.memory_child:

@@ -933,3 +933,26 @@ def test_more_cut_runs_keep_their_rows(tmp_path, monkeypatch, script, argv, cut_
     data = _load(tmp_path / f"{script.removesuffix('.py')}_cpu.json")
     assert len(data["rows"]) == kept
     assert "cut short by SIGINT" in data["meta"]["notes"]["interrupted"]
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        ("bench_policy_loss.py", ["--B", "0"], "--B must be >= 1, got 0"),
+        ("bench_policy_loss.py", ["--B", "-1", "--T", "2", "--V", "10"], "--B must be >= 1"),
+        ("bench_policy_loss.py", ["--shapes", "4x0x10"], "--shapes: '4x0x10' is not sizes"),
+        ("bench_policy_loss.py", ["--rep", "0"], "--rep must be >= 1"),
+        ("bench_policy_loss.py", ["--warmup", "-1"], "--warmup must be >= 0"),
+        ("bench_fused_linear.py", ["--N", "-3"], "--N must be >= 1"),
+        ("bench_gae.py", ["--T", "0"], "--T must be >= 1"),
+    ],
+)
+def test_sizes_below_one_are_refused(script, argv, message, capsys, monkeypatch):
+    """A size of 0 used to run the default shape (`args.B or DEFAULT_B`: minutes of the full
+    benchmark) and -1 ended in a torch traceback: now exit 2, naming the option."""
+    bench = load_bench(script)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
