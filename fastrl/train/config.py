@@ -249,8 +249,9 @@ class TrainConfig:
     task: its training lines). None: 1000 for the embedded default (built-in task, no --model),
     0 otherwise (a user model or task starts RL from the model as given). On the built-in tasks
     the warm-up imitates a sloppy teacher whose answer is one too high 75% of the time: that
-    teaches the format and most of the arithmetic but leaves greedy eval accuracy low (about
-    25% on `add`); RL on the exact-answer reward then does the lifting."""
+    teaches the format and most of the arithmetic but leaves greedy eval accuracy low (on
+    `add` between 0 and 25% depending on the seed and the CPU); RL on the exact-answer reward
+    then does the lifting."""
 
     sft_lr: float = 3e-3
     """Learning rate of the supervised warm-up."""
