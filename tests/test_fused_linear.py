@@ -200,9 +200,17 @@ def test_half_precision_dw_does_not_depend_on_the_chunk(device, dtype, path):
     # below the smallest normal the spacing is absolute: one rounding there is one subnormal
     # step (fp16: 2^-24 = 6e-8; seen on an H200, an entry of 2.5e-5 one step apart)
     subnormal_step = info.smallest_normal * info.eps
-    scale = all_at_once.abs().max()
-    atol = max(1e-6 * scale.item(), subnormal_step)
-    torch.testing.assert_close(one_by_one, all_at_once, rtol=ulp, atol=atol)
+    scale = all_at_once.abs().max().item()
+    diff, size = (one_by_one - all_at_once).abs(), all_at_once.abs()
+    # The two fp32 sums (256 rank-1 updates, one GEMM) differ by the summation order: about
+    # 1e-6 of the largest entry here, up to 2e-5 where the BLAS blocks its sums otherwise (an
+    # Intel Xeon's MKL: 2 of 16384 fp16 entries beyond one rounding + 1e-6 * scale), so a few
+    # entries near a rounding boundary may land one step further. The old path moved thousands
+    # (bf16: 3178, fp16: 2321 of 16384 on that Xeon).
+    one_rounding = diff > ulp * size + max(1e-6 * scale, subnormal_step)
+    assert one_rounding.sum() <= N // 16, int(one_rounding.sum())
+    torch.testing.assert_close(one_by_one, all_at_once, rtol=2 * ulp,
+                               atol=max(2e-5 * scale, subnormal_step))  # fmt: skip
 
 
 def test_without_a_mask_every_row_counts_without_reading_one(monkeypatch):
