@@ -88,7 +88,10 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, shard=False):
         or bias.device != weight.device
     ):
         what = " (this rank's shard of the vocabulary)" if shard else ""
-        raise ValueError(f"bias must be a ({V},) tensor like weight{what}, got {describe(bias)}")
+        raise ValueError(
+            f"bias must be a ({V},) tensor of weight's dtype {weight.dtype} on {weight.device}"
+            f"{what}, got {describe(bias)}"
+        )
     check_number("logit_scale", logit_scale, "a float > 0", lambda c: c > 0)
     if softcap is not None:
         check_number("softcap", softcap, "None or a float > 0", lambda c: c > 0)

@@ -116,6 +116,11 @@ def make_packing(
     `max_seqlen` it is read from cu_seqlens (a host sync on an accelerator)."""
     if check:
         check_cu_seqlens(cu_seqlens, N, max_seqlen)
+        if cu_seqlens.device.type not in ("cpu", torch.device(device).type):
+            raise ValueError(
+                f"cu_seqlens is on {cu_seqlens.device}: expected the CPU or the rows' device "
+                f"({device})"
+            )
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if max_seqlen is None:
         max_seqlen = int(lengths.max())

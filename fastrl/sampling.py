@@ -88,9 +88,10 @@ def _check_temperature_rows(temperature: Tensor, logits: Tensor) -> None:
     ok = tuple(temperature.shape) in ((N,), ()) and temperature.is_floating_point()
     ok = ok and temperature.device in (logits.device, torch.device("cpu"))
     if not ok:
+        where = "the CPU" if logits.device.type == "cpu" else f"{logits.device} or the CPU"
         raise ValueError(
             f"temperature as a tensor must be a float tensor of shape ({N},) (one per row of "
-            f"logits {tuple(logits.shape)}) or () (one for all), on {logits.device} or the CPU; "
+            f"logits {tuple(logits.shape)}) or () (one for all), on {where}; "
             f"got shape {tuple(temperature.shape)}, dtype {temperature.dtype} on "
             f"{temperature.device}"
         )

@@ -114,6 +114,13 @@ def resolve(weight, bias, group):
         raise ValueError("bias is a DTensor but weight is not: pass both as DTensors or neither")
     if group is None:
         raise ValueError("the vocab-parallel LM head needs group= or a DTensor weight")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"group must be a torch.distributed ProcessGroup (e.g. dist.new_group(ranks)), got "
+            f"{type(group).__name__} {group!r}"
+        )
+    if not dist.is_initialized():
+        raise ValueError("group= is given but torch.distributed is not initialized")
     return weight, bias, group, dist.get_rank(group)
 
 

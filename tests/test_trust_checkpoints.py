@@ -231,7 +231,7 @@ def test_the_embedded_model_refuses_a_task_character_its_tokenizer_lacks(tmp_pat
     rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(80)]
     rows[70]["prompt"] = "Seventy+1="  # past the first 50 lines: every line is checked
     task.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"uses characters \['S'\]"):
+    with pytest.raises(ValueError, match=r"characters \['S'\] are missing"):
         Trainer(tiny(tmp_path / "run", task=str(task), eval_split=0.0), log=lambda *a: None)
 
 
@@ -248,7 +248,7 @@ def test_a_held_out_eval_line_with_a_character_the_tokenizer_lacks_is_named_as_s
     held = probe.hold_out(cfg.eval_split, cfg.eval_size, cfg.seed)[0]
     rows[[f"{a}+1=" for a in range(40)].index(held.prompt)]["prompt"] = "é+1="
     task.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"the eval lines held out of task .* uses characters"):
+    with pytest.raises(ValueError, match=r"the eval lines held out of task .*: characters"):
         Trainer(cfg, log=lambda *a: None)
 
 

@@ -235,6 +235,13 @@ def make_policy_loss(loss_mode: str = "fastrl"):
         positively homogeneous in A for every SPEC policy, so w_t ℓ_t(A_t) = ℓ_t(w_t A_t)."""
         if config is None:
             raise ValueError("the fastrl verl policy loss needs verl's actor config (config=)")
+        _check_like_log_prob(
+            log_prob,
+            old_log_prob=old_log_prob,
+            advantages=advantages,
+            response_mask=response_mask,
+            rollout_is_weights=rollout_is_weights,
+        )
         agg = "seq-mean-token-mean" if base == "sapo" else loss_agg_mode
         info = dict(_get(config, "global_batch_info", {}) or {})
         counts, scale = _verl_counts(agg, response_mask, info)
@@ -256,6 +263,23 @@ def make_policy_loss(loss_mode: str = "fastrl"):
 
     fastrl_policy_loss.__name__ = f"fastrl_policy_loss_{base}"
     return fastrl_policy_loss
+
+
+def _check_like_log_prob(log_prob: Tensor, **others: Tensor | None) -> None:
+    """ValueError, in verl's names, unless log_prob is a (bs, response_length) tensor and each
+    of `others` (None: not given) a tensor of its shape on its device."""
+    if not isinstance(log_prob, Tensor) or log_prob.dim() != 2:
+        got = tuple(log_prob.shape) if isinstance(log_prob, Tensor) else type(log_prob).__name__
+        raise ValueError(f"log_prob must be a (bs, response_length) tensor, got {got}")
+    for name, t in others.items():
+        if t is not None and (
+            not isinstance(t, Tensor) or t.shape != log_prob.shape or t.device != log_prob.device
+        ):
+            got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be like log_prob {tuple(log_prob.shape)} on {log_prob.device}, "
+                f"got {got}"
+            )
 
 
 def _actor_fields(config: Any) -> dict:
@@ -382,6 +406,9 @@ def install(losses: bool = True, kernels: bool = True) -> list[str]:
     process group) to fastrl's ops, in verl's modules and in every verl module that imported
     them by name.
     Returns the registered loss modes. `uninstall()` undoes it."""
+    for name, value in (("losses", losses), ("kernels", kernels)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as e:  # pragma: no cover - depends on the environment

@@ -233,7 +233,7 @@ def check_vocabulary(cfg: TrainConfig, task: Task, eval_set: list[Example]) -> N
         missing = sorted(set(text) - set(CHARS))
         if missing:
             raise ValueError(
-                f"{what} uses characters {missing} that the embedded model's tokenizer lacks "
+                f"{what}: characters {missing} are missing from the embedded model's tokenizer "
                 f"(it has {CHARS!r}; it would drop them); pass --model with a local HF model"
             )
 
