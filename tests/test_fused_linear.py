@@ -318,6 +318,25 @@ def test_no_grad():
     torch.testing.assert_close(out.loss, expected.loss.detach(), rtol=2e-5, atol=2e-5)
 
 
+def test_no_grad_skips_masked_rows_as_the_gradient_path_does():
+    """Under torch.no_grad (a pi_old / eval pass) the fused loss still skips the rows whose mask
+    is 0: their logp and entropy are reported as 0, exactly as with gradients, and the counted
+    ones equal the reference's on the materialised logits. Computing the masked rows too would
+    give them their real log-probs: the two paths would disagree on the same call."""
+    hidden, weight, b, tokens, adv, old, ref, mask = make()
+    with torch.no_grad():
+        out = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask, bias=b)
+    _, logits = materialise(hidden, weight, b)
+    want_logp, want_ent = R.token_logprobs(logits.detach(), tokens)
+    zero = torch.zeros(())
+    torch.testing.assert_close(out.logp, torch.where(mask, want_logp, zero), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.entropy, torch.where(mask, want_ent, zero), rtol=2e-5,
+                               atol=2e-5)  # fmt: skip
+    assert (out.logp[~mask] == 0).all() and (out.entropy[~mask] == 0).all()
+    with_grad = fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, old, mask=mask, bias=b)
+    assert torch.equal(with_grad.logp, out.logp) and torch.equal(with_grad.entropy, out.entropy)
+
+
 def test_bad_inputs():
     hidden, weight, b, tokens, adv, *_ = make()
     cases = [
@@ -327,6 +346,8 @@ def test_bad_inputs():
         (dict(hidden=hidden.double()), "hidden must be a float32 / bfloat16 / float16 tensor"),
         (dict(hidden=hidden[..., :0], weight=weight[:, :0]), "H >= 1"),
         (dict(tokens=tokens + weight.shape[0]), r"tokens must lie in \[0, V\)"),
+        (dict(tokens=tokens.clamp(max=36).index_fill(1, torch.tensor([2]), 37)), r"\[0, 37\)"),
+        (dict(weight=weight[:0], bias=b[:0]), r"weight must be \(V, H\) with V >= 1"),
         (dict(chunk_size=0), "chunk_size"),
         (dict(chunk_size=True), "chunk_size must be an int >= 1 or None, got True"),
         (dict(chunk_size=np.float64(4)), "chunk_size"),
@@ -339,6 +360,20 @@ def test_bad_inputs():
         kwargs = {**dict(hidden=hidden, weight=weight, tokens=tokens, advantages=adv), **change}
         with pytest.raises(ValueError, match=match):
             fastrl.fused_linear_policy_loss(**kwargs)
+
+
+def test_linear_logprobs_refuses_the_first_token_id_past_the_vocabulary():
+    """tokens must lie in [0, V): the id V itself (one past the last row of the weight) is
+    refused with a ValueError naming the range, like every larger one, on both LM-head ops;
+    let through, its logp (and the loss) would come out NaN without an error."""
+    hidden, weight, b, tokens, adv, *_ = make()
+    V = weight.shape[0]
+    tokens = tokens.clone()
+    tokens[1, 3] = V
+    with pytest.raises(ValueError, match=rf"tokens must lie in \[0, V\) = \[0, {V}\), got "):
+        fastrl.linear_logprobs(hidden, weight, tokens, bias=b)
+    with pytest.raises(ValueError, match=rf"tokens must lie in \[0, V\) = \[0, {V}\)"):
+        fastrl.fused_linear_policy_loss(hidden, weight, tokens, adv, bias=b)
 
 
 def test_default_chunk_by_device(monkeypatch):

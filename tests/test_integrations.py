@@ -77,6 +77,35 @@ def test_cispo_caps_the_ratio_at_epsilon_high(tmp_path):
     torch.testing.assert_close(out.loss, expected)
 
 
+def test_epsilon_high_defaults_to_epsilon(tmp_path):
+    """TRL: epsilon_high=None means the upper clip is epsilon too (GRPOTrainer:
+    `args.epsilon_high if args.epsilon_high is not None else args.epsilon`), whatever epsilon
+    is, not the default 0.2; cispo's cap then is epsilon as well."""
+    cfg = loss_config_from_trl(grpo_config(tmp_path, loss_type="dapo", epsilon=0.3))
+    assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.3)
+    cfg = loss_config_from_trl(SimpleNamespace(loss_type="grpo", epsilon=0.1))
+    assert (cfg.clip_low, cfg.clip_high) == (0.1, 0.1)
+    cfg = loss_config_from_trl(SimpleNamespace(loss_type="cispo", epsilon=3.0))
+    assert (cfg.clip_low, cfg.clip_high) == (1.0, 2.0)
+
+
+def test_cispo_cap_of_one_is_accepted():
+    """CISPO's cap epsilon_high may be 1 (TRL: clamp(r, max=1), the ratio never above 1): the
+    cap must be >= 1, so 1 itself maps to clip(r, 0, 1 + 0), i.e. clip_high = 0; only a cap
+    below 1 is refused. The loss by hand: ratios 2 and 0.5 are capped to 1 and kept at 0.5."""
+    args = SimpleNamespace(loss_type="cispo", epsilon_high=1.0)
+    cfg = loss_config_from_trl(args)
+    assert (cfg.policy, cfg.clip_low, cfg.clip_high) == ("cispo", 1.0, 0.0)
+    logits = torch.zeros(1, 2, 4, requires_grad=True)  # logp = log 1/4 for every token
+    old = torch.log(torch.tensor([[0.25 / 2.0, 0.25 / 0.5]]))  # r = 2, 0.5
+    out = fastrl.policy_loss(logits, torch.zeros(1, 2, dtype=torch.long), torch.ones(1), old,
+                             config=cfg)  # fmt: skip
+    expected = -(1.0 + 0.5) * torch.log(torch.tensor(0.25)) / 2
+    torch.testing.assert_close(out.loss, expected)
+    with pytest.raises(ValueError, match="epsilon_high"):
+        loss_config_from_trl(SimpleNamespace(loss_type="cispo", epsilon_high=0.99))
+
+
 def test_vllm_importance_sampling(tmp_path):
     args = SimpleNamespace(
         loss_type="grpo",

@@ -304,3 +304,52 @@ def test_fused_linear_packed_equals_padded(engine, config):
     torch.testing.assert_close(o.logp, _unpad(e.logp), **tol)
     lp = fastrl.linear_logprobs(hid.to(device), weight, p["tokens"].to(device), cu_seqlens=cu)
     torch.testing.assert_close(lp, o.logp, **tol)
+
+
+def test_one_row_per_sequence_takes_an_n_temperature_in_logprobs_and_linear_logprobs():
+    """`logprobs` / `linear_logprobs` read an (N,) temperature of packed rows where N == S from
+    cu_seqlens when it is on the CPU (exact max_seqlen): with every sequence one row the two
+    readings agree, so it is accepted, and row r is divided by its own tau_r (the oracle's
+    log_softmax(z_r / tau_r)). Only on an accelerator (no host read) is max_seqlen the bound N,
+    and then such a tensor is refused."""
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 1, 2, 3])
+    logits, tokens = torch.randn(3, V, generator=g), torch.randint(0, V, (3,), generator=g)
+    tau = torch.tensor([0.5, 1.0, 2.0])
+    want = torch.log_softmax(logits / tau[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    got = fastrl.logprobs(logits, tokens, temperature=tau, cu_seqlens=cu)
+    torch.testing.assert_close(got, want)
+    hidden, weight = torch.randn(3, 4, generator=g), torch.randn(V, 4, generator=g)
+    want = torch.log_softmax((hidden @ weight.T) / tau[:, None], -1).gather(1, tokens[:, None])
+    got = fastrl.linear_logprobs(hidden, weight, tokens, temperature=tau, cu_seqlens=cu)
+    torch.testing.assert_close(got, want[:, 0])
+
+
+@pytest.mark.parametrize(
+    "cu, match",
+    [(torch.tensor([0, 3, 2, 19]), "never decrease"), (torch.tensor([0, 5, 18]), "end at N = 19")],
+)
+def test_log_prob_ops_check_cu_seqlens_too(cu, match):
+    """`logprobs` and `linear_logprobs` take cu_seqlens only to check it (their rows are
+    independent), and check it they must, as the losses do: boundaries that do not describe the
+    N rows are a caller's bug (a batch packed with other lengths), refused, never ignored."""
+    _, p, _, _ = _batch()
+    with pytest.raises(ValueError, match=match):
+        fastrl.logprobs(p["logits"], p["tokens"], cu_seqlens=cu)
+    hidden, weight = torch.randn(19, 4), torch.randn(V, 4)
+    with pytest.raises(ValueError, match=match):
+        fastrl.linear_logprobs(hidden, weight, p["tokens"], cu_seqlens=cu)
+
+
+def test_log_prob_ops_refuse_cu_seqlens_with_batched_rows():
+    """cu_seqlens describes flat (N,) rows: with (B, T) rows (B, T, V) logits or (B, T, H)
+    hidden states) it describes nothing, and `logprobs` / `linear_logprobs` refuse it, as the
+    losses do, rather than read it against T."""
+    g = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(2, 3, V, generator=g), torch.randint(0, V, (2, 3), generator=g)
+    cu = torch.tensor([0, 1, 3])  # a valid split of T = 3 rows
+    with pytest.raises(ValueError, match=r"logits must be flat \(N, V\) rows"):
+        fastrl.logprobs(logits, tokens, cu_seqlens=cu)
+    hidden, weight = torch.randn(2, 3, 4, generator=g), torch.randn(V, 4, generator=g)
+    with pytest.raises(ValueError, match=r"hidden / tokens must be flat \(N, H\) / \(N,\)"):
+        fastrl.linear_logprobs(hidden, weight, tokens, cu_seqlens=cu)

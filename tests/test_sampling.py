@@ -674,3 +674,57 @@ def test_kernel_a_philox_word_near_2_to_32_still_samples_its_token(kernel_dev, s
             assert tokens.item() == 2 and logp.item() == 0
         else:  # its key is finite now: with 99 % of the mass it is still drawn at this seed
             assert tokens.item() == 2
+
+
+def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_top_p():
+    """SPEC 10 / truncate_logits: top-p keeps the smallest prefix of the sorted distribution
+    whose mass reaches top_p. Four equal logits have p = 1/4 exactly (cumulative 1/4, 1/2, ...,
+    all exact in fp32): top_p = 1/2 is reached by two tokens, so exactly two stay. Keeping a
+    token whose preceding mass equals top_p (<= for <) keeps a third."""
+    for partial in (False, True):
+        z = truncate_logits(torch.zeros(3, 4), None, 0.5, partial=partial)
+        assert (z > float("-inf")).sum(-1).tolist() == [2, 2, 2]
+        z = truncate_logits(torch.zeros(1, 4), None, 0.75, partial=partial)
+        assert (z > float("-inf")).sum().item() == 3
+
+
+def test_top_p_always_keeps_the_most_likely_token_even_of_a_nan_or_inf_row():
+    """truncate_logits keeps the most likely token whatever the mass (the first sorted entry; NaN
+    sorts first). In a row with a NaN or +inf logit the probabilities are NaN, so no token passes
+    the mass test: that entry must still stay, so the NaN / inf is passed on (the sampler then
+    reports the row as NaN), never replaced by a row of -inf only."""
+    for bad in (float("nan"), float("inf")):
+        z = torch.tensor([[1.0, bad, 2.0, 0.5]])
+        out = truncate_logits(z, None, 0.9)
+        kept = ~(out == float("-inf"))
+        assert kept.tolist() == [[False, True, False, False]]
+        assert not torch.isfinite(out[0, 1])
+
+
+def test_per_row_temperatures_follow_their_rows_across_chunks(monkeypatch):
+    """With a temperature tensor (N,) the CPU path runs in row chunks, each dividing its rows by
+    their own τ_r: row r's logp and entropy are log_softmax(z_r / τ_r)'s (the oracle's), in every
+    chunk, not only the first (one row per chunk here)."""
+    monkeypatch.setattr("fastrl.sampling._CHUNK_ELEMENTS", 16)  # V = 16: one row per chunk
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(5, 16, generator=g)
+    tau = torch.tensor([0.3, 1.0, 2.5, 0.7, 4.0])
+    tokens, logp, entropy = fastrl.sample(logits, tau, generator=g)
+    want_logp, want_entropy = ref.token_logprobs(logits, tokens, tau[:, None])
+    torch.testing.assert_close(logp, want_logp)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_partial_top_p_reads_probabilities_of_the_whole_row(monkeypatch):
+    """The topk shortcut of top-p (no top_k) sorts only the _PARTIAL_SORT largest, but their
+    probabilities are under the whole row (exp(z - lse), lse over all V), not renormalised over
+    the candidates. Four logits of probability 0.2 each (0.8 together) and 36 sharing the other
+    0.2: with top_p = 0.5 the mass before the 3rd is 0.4 < 0.5, so three stay (renormalised over
+    the four, 0.25 each, the 3rd's mass before would be 0.5 and only two would stay)."""
+    monkeypatch.setattr("fastrl.sampling._PARTIAL_SORT", 4)
+    z = torch.full((2, 40), math.log(0.2 / 36))
+    z[:, :4] = math.log(0.2)
+    for partial in (True, False):
+        kept = truncate_logits(z, None, 0.5, partial=partial) > float("-inf")
+        assert kept.sum(-1).tolist() == [3, 3]
+        assert kept[:, :4].sum(-1).tolist() == [3, 3]  # among the four likely ones

@@ -183,3 +183,19 @@ def test_value_loss_masked_nonfinite_never_reaches_loss_or_grad(agg, bad):
     (grad,) = torch.autograd.grad(loss, v)
     torch.testing.assert_close(grad, expected_grad)
     assert torch.all(grad[~mask] == 0)
+
+
+def test_old_values_and_returns_are_constants():
+    """SPEC 8 differentiates L_V w.r.t. v only: v_old and G are constants (detached), also when
+    they require grad (old values kept from the critic's own graph, returns formed from it).
+    Hand-computed: token 0 is clipped (v_clip = v_old + 0.2 = 0.2, (0.2 - 2)^2 = 3.24 wins), so
+    its gradient w.r.t. v is 0; token 1 is not, d/dv 0.5 * (v - G)^2 / 2 = (0 - 1) / 2. A
+    gradient through the clamp would reach v_old at token 0 ((0.2 - 2) / 2 = -0.9)."""
+    values = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    old_values = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    returns = torch.tensor([[2.0, 1.0]], requires_grad=True)
+    loss, _ = value_loss(values, old_values, returns, clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (3.24 + 1.0) / 2))
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.5]]))
+    assert old_values.grad is None and returns.grad is None

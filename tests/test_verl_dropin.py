@@ -130,6 +130,37 @@ def _both_losses(mode, agg, info, installed, B=4, T=6, **config_fields):
     return results
 
 
+def test_registered_sapo_reads_the_actor_taus(installed):
+    """The registered fastrl_sapo takes tau_pos / tau_neg from verl's actor config, as verl's
+    sapo does: with taus other than the defaults (0.8 / 2.0) loss and gradient equal verl's."""
+    theirs, ours = _both_losses("sapo", "seq-mean-token-mean", {}, installed, tau_pos=0.8,
+                                tau_neg=2.0)  # fmt: skip
+    default, _ = _both_losses("sapo", "seq-mean-token-mean", {}, installed)
+    assert not torch.allclose(theirs[0], default[0])  # the taus matter on this batch
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("agg", AGGS)
+def test_a_micro_batch_with_nothing_counted_adds_zero(mode, agg, installed):
+    """A micro-batch whose response mask is all 0 (no global counts given): nothing is counted,
+    so the registered loss is 0 with a zero gradient (Σ m L = 0 over a count floored above 0).
+    verl's own modes give 0 / 0 = NaN here, which would poison the accumulated gradient."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 4
+    old = -torch.rand(B, T, generator=g)
+    logp = (old + 0.1 * torch.randn(B, T, generator=g)).requires_grad_()
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    loss, _ = core_algos.get_policy_loss_fn(fastrl_mode(mode))(
+        old_log_prob=old, log_prob=logp, advantages=torch.randn(B, T, generator=g),
+        response_mask=mask, loss_agg_mode=agg, config=actor_config(mode, loss_agg_mode=agg),
+    )  # fmt: skip
+    assert loss.item() == 0.0
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
 # verl's agg_loss needs the global counts once dp_size > 1: without them it raises (a local count
 # times dp_size would make the gradient dp_size times too large); fastrl raised nothing.
 @pytest.mark.parametrize("mode", MODES)
@@ -173,6 +204,29 @@ def test_loss_scale_factor_read_as_verl(mode, installed):
         torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-7, msg=str(case))
         torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-8, msg=str(case))
         assert theirs[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("use_kl_loss", [False, True])
+def test_an_actor_config_left_out_reads_as_verl_defaults(mode, use_kl_loss):
+    """`loss_config_from_verl` of a dict that names only the loss mode equals the LossConfig of
+    verl's own actor config with every field at verl's default (FSDPActorConfig: clip ratios
+    0.2, clip_ratio_c 3.0, token-mean, tau_pos / tau_neg 1.0 / 1.05, kl_loss_coef 0.001,
+    low_var_kl): a field a user leaves out means what it means in verl."""
+    # (sapo with a KL term needs seq-mean-token-mean: refused with verl's default token-mean)
+    kw = dict(use_kl_loss=use_kl_loss)
+    if mode == "sapo" and use_kl_loss:
+        kw["loss_agg_mode"] = "seq-mean-token-mean"
+    verl_defaults = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                                    policy_loss=PolicyLossConfig(loss_mode=mode), **kw)  # fmt: skip
+    bare = {"policy_loss": {"loss_mode": mode}, **kw}
+    want = fastrl_verl.loss_config_from_verl(verl_defaults)
+    assert fastrl_verl.loss_config_from_verl(bare) == want
+    if use_kl_loss:
+        assert want.kl_coef == verl_defaults.kl_loss_coef > 0
+    if mode == "sapo":
+        assert (want.sapo_tau_pos, want.sapo_tau_neg) == (verl_defaults.tau_pos,
+                                                          verl_defaults.tau_neg)  # fmt: skip
 
 
 def test_refused_loss_modes():
@@ -254,6 +308,50 @@ def test_kernels_routed_to_fastrl(installed, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_linear_for_ppo_returns_verl_dtypes_in_half_precision(installed):
+    """verl's FusedLinearForPPO returns fp32 log-probs and the entropy in the hidden states'
+    dtype; routed to fastrl it does the same in bf16 (verl's own, uninstalled, is the oracle of
+    the dtypes, and of the values to bf16's rounding), not an fp32 entropy where verl's callers
+    hold a bf16 one."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 5, 16, generator=g).bfloat16()
+    weight = (torch.randn(40, 16, generator=g) / 4).bfloat16()
+    labels = torch.randint(0, 40, (2, 5), generator=g)
+    ours = FusedLinearForPPO().forward(hidden, weight, labels, temperature=0.7)
+    fastrl_verl.uninstall()
+    try:
+        theirs = FusedLinearForPPO().forward(hidden, weight, labels, temperature=0.7)
+    finally:
+        fastrl_verl.install()
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs] == [torch.float32, torch.bfloat16]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_modules_that_imported_a_routed_name_are_patched_and_restored():
+    """install() routes verl's functions in every verl module that imported them by name (a
+    `from verl.utils.torch_functional import logprobs_from_logits` holds its own reference):
+    such a module calls fastrl's after install() and verl's again after uninstall()."""
+    import types
+
+    module = types.ModuleType("verl._fastrl_import_by_name")
+    module.logprobs_from_logits = original = verl_F.logprobs_from_logits
+    module.entropy_from_logits = original_entropy = verl_F.entropy_from_logits
+    sys.modules[module.__name__] = module
+    try:
+        fastrl_verl.install()
+        try:
+            assert module.logprobs_from_logits is verl_F.logprobs_from_logits is not original
+            assert module.entropy_from_logits is verl_F.entropy_from_logits
+            assert module.entropy_from_logits is not original_entropy
+        finally:
+            fastrl_verl.uninstall()
+        assert module.logprobs_from_logits is original
+        assert module.entropy_from_logits is original_entropy
+    finally:
+        del sys.modules[module.__name__]
+
+
 def test_triton_fused_backend_routed_to_fastrl(installed, monkeypatch):
     """verl's `fused_kernel_options.impl_backend="triton"`: its HF models' forward
     (`forward_with_triton_backend`) calls `verl.utils.kernel.linear_cross_entropy`, verl's Triton
@@ -297,6 +395,11 @@ def test_triton_fused_backend_routed_to_fastrl(installed, monkeypatch):
     monkeypatch.setitem(fastrl_verl._ORIGINALS, fastrl_verl._LCE, lambda *a: seen.append(a) or 7)
     assert lce.linear_cross_entropy(out.log_probs, None, None, 1.0, "none", object()) == 7
     assert len(seen) == 1 and len(calls) == 1
+    # so it does for a reduced loss ("mean" / "sum": one number, which fastrl's per-token
+    # log-probs and entropies are not), with or without a process group
+    for reduction in ("mean", "sum", "MEAN"):
+        assert lce.linear_cross_entropy(out.log_probs, None, None, 1.0, reduction) == 7
+    assert len(seen) == 4 and len(calls) == 1
     monkeypatch.undo()
     fastrl_verl.uninstall()
     assert (

@@ -242,6 +242,20 @@ def _check_bad_inputs(b, rows, group, rank):
     with pytest.raises(ValueError, match="temperature differs across ranks"):
         fastrl.fused_linear_policy_loss(b["hidden"], w, b["tokens"], b["adv"], bias=bias,
                                         temperature=tau, group=group)  # fmt: skip
+    # the same per-token temperatures in another order on one rank (the same sum, exact in
+    # fp64): the fingerprint's second word, sum_i (i + 1) tau_i, tells them apart
+    tau = torch.ones_like(b["tau"])
+    tau[0, 0], tau[0, 1] = (2.0, 0.5) if rank == 1 else (0.5, 2.0)
+    with pytest.raises(ValueError, match="temperature differs across ranks"):
+        fastrl.linear_logprobs(b["hidden"], w, b["tokens"], bias=bias, temperature=tau,
+                               group=group)  # fmt: skip
+    # a mask that is not replicated (one more counted row on rank 1): refused on every rank
+    # before the merge's all-gather of (counted rows, 3), whose sizes would then differ
+    mask = b["mask"].clone().reshape(-1)
+    mask[(~mask).nonzero()[0]] = rank == 1  # its first masked token counts on rank 1 only
+    mask = mask.view_as(b["mask"])
+    with pytest.raises(ValueError, match="the counted rows differs across ranks"):
+        fastrl.linear_logprobs(b["hidden"], w, b["tokens"], bias=bias, mask=mask, group=group)
 
 
 def _check_no_mask_reads_no_rows(b, rows, group):
