@@ -547,6 +547,32 @@ def test_kernel_an_all_nan_row_gives_a_token_inside_the_vocabulary(kernel_dev, V
         assert torch.isnan(logp).all() and torch.isnan(entropy).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("split_chunk", [0, 64])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_kernel_a_row_with_one_nan_logit_gives_nan(kernel_dev, split_chunk, greedy):
+    """One NaN logit among finite ones: the row's logp and entropy are NaN, one program per
+    row and split-V alike, the other rows untouched. The compiled max ignores NaN, so the
+    row's max and the winner stay finite there and only the kernel's NaN count (n_nan) makes
+    logp NaN (the interpreter's numpy max propagates NaN by itself: its run cannot tell;
+    mutation K1 survived it, so this runs on CUDA in the GPU run)."""
+    from fastrl.kernels import sampling as S
+
+    dev = kernel_dev
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 200, generator=g)
+    logits[0, 150] = float("nan")
+    seed = torch.tensor([5], device=dev)
+    tokens, logp, entropy = S.sample_rows(logits.to(dev), seed, 1.0, greedy,
+                                          split_chunk=split_chunk)  # fmt: skip
+    logp, entropy, tokens = logp.cpu(), entropy.cpu(), tokens.cpu()
+    assert logp[0].isnan() and entropy[0].isnan(), (logp[0], entropy[0])
+    assert ((tokens >= 0) & (tokens < 200)).all()
+    ls = torch.log_softmax(logits[1:], -1)
+    torch.testing.assert_close(logp[1:], ls.gather(1, tokens[1:, None])[:, 0])
+    torch.testing.assert_close(entropy[1:], -(ls.exp() * ls).sum(-1))
+
+
 def test_kernel_statistics_at_extreme_spreads_and_offsets(kernel_dev):
     """Two regressions of the two-stage kernel, found in review:
     * raw spreads near 3.4e38 (a row of -1.7e38, -1.7e38, 1.7e38 and -inf): merging a group
