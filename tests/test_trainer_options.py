@@ -541,7 +541,11 @@ def test_a_model_with_dropout_trains_without_it(tmp_path, algo):
         if model is not None:
             drops = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
             assert drops and set(drops) == {0.0}
-    assert t.policy.config.resid_pdrop == 0.3  # the exported config keeps the model's dropout
+    assert t.policy.config.resid_pdrop == 0.0  # zeroed for the run, the export keeps 0.3
+    from transformers import AutoConfig
+
+    hf = tmp_path / "run" / "checkpoints" / "step-000001" / "hf"
+    assert AutoConfig.from_pretrained(hf).resid_pdrop == 0.3
 
 
 def test_ppo_values_are_not_rounded_to_bf16_under_autocast():
@@ -563,7 +567,8 @@ def test_ppo_values_are_not_rounded_to_bf16_under_autocast():
 
 def test_disable_dropout_reaches_what_attention_passes_to_sdpa():
     """Qwen2 / Llama attention keep `attention_dropout` (a float read from the config at init)
-    and pass it to sdpa in train mode: disable_dropout zeroes it too, and leaves the config."""
+    and pass it to sdpa in train mode: disable_dropout zeroes it too (and the config's, kept
+    for the export in model._fastrl_config_dropout)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from fastrl.train.build import disable_dropout
@@ -576,7 +581,8 @@ def test_disable_dropout_reaches_what_attention_passes_to_sdpa():
     attn = model.model.layers[0].self_attn
     assert attn.attention_dropout == 0.2
     disable_dropout(model)
-    assert attn.attention_dropout == 0.0 and model.config.attention_dropout == 0.2
+    assert attn.attention_dropout == 0.0 and model.config.attention_dropout == 0.0
+    assert model._fastrl_config_dropout == [(model.config, {"attention_dropout": 0.2})]
     model.train()
     ids = torch.randint(0, 32, (2, 6))
     torch.manual_seed(0)

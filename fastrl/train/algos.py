@@ -109,7 +109,12 @@ class ValueModel(nn.Module):
         if base is None:  # pragma: no cover - every HF causal LM has one
             raise ValueError("the policy model has no base model to copy for the critic")
         self.backbone = copy.deepcopy(base)
-        hidden = policy.config.hidden_size
+        # the width of the last hidden state: what the LM head reads (OPT-350m projects its
+        # hidden_size 1024 to word_embed_proj_dim 512 before it), else the config's hidden_size
+        lm_head = policy.get_output_embeddings()
+        hidden = (
+            lm_head.in_features if isinstance(lm_head, nn.Linear) else policy.config.hidden_size
+        )
         self.head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

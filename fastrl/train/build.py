@@ -259,20 +259,47 @@ def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
     return task.eval_examples(cfg.eval_size, cfg.seed)
 
 
+def _is_dropout_name(name: str) -> bool:
+    """A dropout rate's name: `*dropout*`, `*_pdrop` (GPT-2's) or OPT's `layerdrop`."""
+    name = name.lower()
+    return "dropout" in name or name.endswith("_pdrop") or name == "layerdrop"
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Switch dropout off in `model`'s modules: every nn.Dropout's p and every float attribute
-    of a module named like `*dropout*` (what HF attention reads from its config at init and
-    passes to sdpa, e.g. Qwen2's `attention_dropout`) set to 0; the reference copy and ppo's
-    critic, copies of these modules, inherit it. The config is left as it is (an exported
-    model keeps its dropout). With dropout on in train mode, the update's log-probs are not
-    the sampler's nor pi_old's (computed in eval mode): the first minibatch's ratio is not 1,
-    the clip and the KL act on noise. (TRL's `disable_dropout`, off by default there.)"""
+    """Switch dropout off in `model`'s modules: every nn.Dropout's p, every float attribute of
+    a module named like a dropout rate (`_is_dropout_name`: what HF attention reads from its
+    config at init and passes to sdpa, e.g. Qwen2's `attention_dropout`, and OPT's
+    `layerdrop`, which skips whole layers at random) and the same fields of the modules'
+    configs (Falcon, Gemma3, GPT-Neo read `config.hidden_dropout` / `attention_dropout` in
+    their forward) set to 0; the reference copy and ppo's critic, copies of these modules,
+    inherit it. The configs' own values are kept in `model._fastrl_config_dropout` and
+    `export_hf` writes them back into the export (an exported model keeps its dropout). With
+    dropout on in train mode, the update's log-probs are not the sampler's nor pi_old's
+    (computed in eval mode): the first minibatch's ratio is not 1, the clip and the KL act on
+    noise. (TRL's `disable_dropout`, off by default there.)"""
+    from transformers import PretrainedConfig
+
+    configs, saved = {}, []
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
         for name, value in list(vars(module).items()):
-            if "dropout" in name.lower() and isinstance(value, float):
+            if _is_dropout_name(name) and isinstance(value, float):
                 setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            configs[id(config)] = config
+    for config in configs.values():
+        rates = {
+            k: v
+            for k, v in vars(config).items()
+            if _is_dropout_name(k) and isinstance(v, float) and v != 0.0
+        }
+        for k in rates:
+            setattr(config, k, 0.0)
+        if rates:
+            saved.append((config, rates))
+    model._fastrl_config_dropout = saved
 
 
 # --------------------------------------------------------------------------- setup
@@ -351,11 +378,29 @@ def wrap(run: Run, policy, critic) -> tuple:
     return train_policy, train_critic
 
 
+def transformer_blocks(model) -> list:
+    """The model's repeated blocks, the units FSDP2 shards one by one: modules whose class is in
+    the model's `_no_split_modules` (Hugging Face's own list: GPT2Block, GPTNeoXLayer,
+    LlamaDecoderLayer, ...) or whose class name ends in DecoderLayer."""
+    names = set()
+    for m in model.modules():  # (a critic's backbone copy: its own modules' lists)
+        names |= set(getattr(m, "_no_split_modules", None) or [])
+
+    def is_block(m) -> bool:
+        name = type(m).__name__
+        return m is not model and (name in names or name.endswith("DecoderLayer"))
+
+    return [m for m in model.modules() if is_block(m)]
+
+
 def shard(device: torch.device, *models) -> None:
-    """--fsdp: FSDP2 `fully_shard` on each decoder layer and then each whole model (None
-    skipped), in place; parameters become DTensors sharded over the ranks, on a mesh of the
-    run's device type (fully_shard's default mesh takes the build's accelerator: a --device cpu
-    run on a CUDA machine had its shards moved to the GPU)."""
+    """--fsdp: FSDP2 `fully_shard` on each transformer block (`transformer_blocks`) and then each
+    whole model (None skipped), in place; parameters become DTensors sharded over the ranks, on
+    a mesh of the run's device type (fully_shard's default mesh takes the build's accelerator:
+    a --device cpu run on a CUDA machine had its shards moved to the GPU). A model with no block
+    found is refused: sharded as one root group, the fused LM-head loss (which does not use the
+    root forward's output) never ran FSDP2's gradient reduce-scatter, and GPT-2's weights never
+    changed while a gradient norm was logged."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -363,9 +408,16 @@ def shard(device: torch.device, *models) -> None:
     for model in models:
         if model is None:
             continue
-        for m in model.modules():
-            if type(m).__name__.endswith("DecoderLayer"):
-                fully_shard(m, mesh=mesh)
+        blocks = transformer_blocks(model)
+        if not blocks:
+            raise ValueError(
+                f"--fsdp: no transformer block found in {type(model).__name__} to shard (none "
+                f"of its modules is in its _no_split_modules "
+                f"{getattr(model, '_no_split_modules', None)} or ends in DecoderLayer); run it "
+                "without --fsdp (DDP)"
+            )
+        for m in blocks:
+            fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
 

@@ -134,14 +134,20 @@ def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None
             f"--model {path!r} is not a local Hugging Face model directory (no config.json); "
             "pass a directory written by save_pretrained, or omit --model for the embedded one"
         )
+
+    def load(attn: str):
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, attn_implementation=attn, dtype=dtype or torch.float32
+        )
+
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            local_files_only=True,
-            attn_implementation="sdpa",  # the run's choice is set once its device is known
-            dtype=dtype or torch.float32,
-        )
+        try:  # sdpa; the run's choice is set once its device is known
+            model = load("sdpa")
+        except ValueError as e:  # an architecture without SDPA (Gemma2, Bloom, GPT-Neo, ...)
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = load("eager")
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(
             f"--model {path!r} is not a causal LM that transformers can load: {e}"
@@ -450,13 +456,8 @@ def completion_hidden(model, rollout: Rollout, idx: Tensor | None = None):
     through `fastrl.linear_logprobs` / `fused_linear_policy_loss`, never holding (n, T, V).
     Under FSDP2 the forward leaves the root's parameters (the LM head) unsharded, so
     `lm_head.weight` is then the full weight and its gradient is reduce-scattered as usual."""
-    base = getattr(model, model.base_model_prefix)
     captured = {}
-
-    def hook(module, args, out):
-        captured["h"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    handle = base.register_forward_hook(hook)
+    handle = _capture_hidden(model, captured)
     try:
         p_ids, p_mask, c_ids = rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids
         if idx is not None:
@@ -476,20 +477,58 @@ def completion_hidden(model, rollout: Rollout, idx: Tensor | None = None):
     return captured["h"][:, P - 1 : -1], model.get_output_embeddings()
 
 
+def _capture_hidden(model, captured: dict):
+    """A forward hook putting the last hidden states of `model`'s decoder (the module that
+    `get_decoder()` names, OPT's `model.decoder` included; else its base model) into
+    captured["h"]; returns its handle."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, model.base_model_prefix)
+
+    def hook(module, args, out):
+        captured["h"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    return decoder.register_forward_hook(hook)
+
+
+# config fields of a transform between the LM head and the logits (Gemma2 / 3's softcap;
+# Cohere's, Granite's and Falcon-H1's scales, which the forward check below catches as well)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                     "lm_head_multiplier")  # fmt: skip
+
+
+@torch.no_grad()
 def lm_head_fusable(model, top_k=None, top_p=None) -> bool:
     """Whether log-probs can go through `completion_hidden` + the fused LM-head path: a plain
-    nn.Linear output embedding (no logit scaling / softcapping in the model's forward) and no
-    top-k / top-p truncation (that needs the logits)."""
+    nn.Linear output embedding, no top-k / top-p truncation (that needs the logits), and the
+    model's own logits equal to that head applied to the hidden states `completion_hidden`
+    takes, checked on one short forward: a model that scales or caps its logits after the
+    head (Gemma2's softcap, Cohere's logit_scale, Granite's logits_scaling, ...) or whose
+    decoder output is not the head's input does not take the fused path (a list of config
+    names missed Granite, whose sampled and trained log-probs then differed by 2 nats). A
+    softcap (tanh(z / c) c) is refused by its config field: at the small logits of a fresh
+    model it is invisible to the check and grows with training."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    scale = getattr(getattr(model, "config", None), "logit_scale", None)
-    return (
-        isinstance(head, torch.nn.Linear)
-        and softcap is None
-        and scale is None
-        and top_k is None
-        and top_p is None
-    )
+    if type(head) is not torch.nn.Linear or top_k is not None or top_p is not None:
+        return False
+    config = getattr(model, "config", None)
+    if any(getattr(config, k, None) is not None for k in _LOGIT_TRANSFORMS):
+        return False
+    ids = torch.arange(min(4, head.weight.shape[0]), device=head.weight.device)[None]
+    captured = {}
+    handle = _capture_hidden(model, captured)
+    try:
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+    except (TypeError, ValueError):  # e.g. a forward without logits_to_keep
+        return False
+    finally:
+        handle.remove()
+    h = captured.get("h")
+    if h is None or h.shape[-1] != head.weight.shape[1]:
+        return False
+    bias = None if head.bias is None else head.bias.float()
+    mine = torch.nn.functional.linear(h[:, -1].float(), head.weight.float(), bias)
+    return mine.shape == logits.shape and bool(torch.allclose(mine, logits, rtol=1e-4, atol=1e-4))
 
 
 @torch.no_grad()

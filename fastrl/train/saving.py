@@ -27,11 +27,19 @@ def export_hf(policy, tok, path: str, state_dict: dict | None = None) -> None:
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar per checkpoint
+    # the configs' dropout rates as loaded (build.disable_dropout zeroed them for the run)
+    dropout = getattr(policy, "_fastrl_config_dropout", [])
     try:
+        for config, rates in dropout:
+            for k, v in rates.items():
+                setattr(config, k, v)
         kw = {"state_dict": state_dict} if state_dict is not None else {}
         policy.save_pretrained(path, safe_serialization=True, **kw)
         tok.save_pretrained(path)
     finally:
+        for config, rates in dropout:
+            for k in rates:
+                setattr(config, k, 0.0)
         if bars:
             hf_logging.enable_progress_bar()
 
