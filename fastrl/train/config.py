@@ -126,7 +126,8 @@ class TrainConfig:
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
     cuda:LOCAL_RANK (give `cuda` or `auto`: an explicit index is refused there). On a CUDA GPU
     with native bf16 (compute capability 8.0 or newer) and --dtype bf16, a --model uses
-    flash_attention_2 when a usable flash-attn is installed, else SDPA."""
+    flash_attention_2 when a usable flash-attn is installed, else SDPA (eager attention for an
+    architecture without SDPA, e.g. Gemma2)."""
 
     temperature: float = 1.0
     """Sampling temperature of the rollouts; the loss uses the same (training log-probs then
@@ -285,10 +286,12 @@ class TrainConfig:
     limit, run --steps steps."""
 
     fsdp: bool = False
-    """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard: each decoder
-    layer, then the whole model) across the torchrun ranks instead of replicating it with DDP.
-    The LM-head log-probs then come from the last hidden states through fastrl.linear_logprobs /
-    fused_linear_policy_loss (never the (n, T, V) logits; not with --top-k / --top-p).
+    """Shard the policy (and critic / reference) with PyTorch FSDP2 (fully_shard: each
+    transformer block the model's _no_split_modules names, then the whole model) across the
+    torchrun ranks instead of replicating it with DDP. The LM-head log-probs then come from the
+    last hidden states through fastrl.linear_logprobs / fused_linear_policy_loss (never the
+    (n, T, V) logits), where one forward shows the head alone gives the model's logits (not
+    with --top-k / --top-p, a logit softcap or a scale after the head: those use the logits).
     Checkpoints hold the full weights and the Hugging Face export; an --fsdp run cannot be
     resumed (start a new one with --model OUT/checkpoints/step-N/hf)."""
 
