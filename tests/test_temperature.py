@@ -625,12 +625,20 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.fixture
+def _error_on_recompile():
+    """torch._dynamo.config.error_on_recompile for one test, through torch's own patch: pytest
+    9.2's monkeypatch.setattr undoes it with a delattr, which hides the entry for the rest of
+    the process (a later recompile anywhere then raised AttributeError inside dynamo)."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+
+
+@pytest.mark.usefixtures("_fresh_dynamo", "_error_on_recompile")
 def test_compiled_policy_loss_with_a_temperature_tensor(monkeypatch):
     """torch.compile(fullgraph=True): the tensor travels as an op argument (no graph break, no
     host sync), and a new temperature needs no recompile."""
     monkeypatch.setenv("FASTRL_BACKEND", "torch")
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     logits, tokens, tau = _batch()
     B, T = tokens.shape
     g = torch.Generator().manual_seed(6)
