@@ -35,6 +35,14 @@ def describe(x) -> str:
     return type(x).__name__
 
 
+def check_bool(name: str, value) -> bool:
+    """`value` must be a bool (not 1, "yes" or None, which would read as one); else a ValueError
+    naming `name`."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_float(name: str, x, expected: str, shape: tuple | None = None, device=None) -> Tensor:
     """`x` must be a float tensor (of `shape` and on `device` when given); else a ValueError
     naming `name`, what it is and what was `expected`."""

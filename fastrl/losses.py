@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import ops
 from ._inputs import (
+    check_bool,
     check_logits_tokens,
     check_temperature,
     check_temperature_rows,
@@ -301,8 +302,7 @@ def logprobs(
     SPEC 6's with 1/tau_t. The temperature is a constant: no gradient flows to it (detached).
     Packed sequences (`cu_seqlens` (S + 1,) with (N, V) logits) are accepted and checked; the
     rows are independent, so the result is the same as without."""
-    if not isinstance(entropy, bool):
-        raise ValueError(f"entropy must be a bool, got {type(entropy).__name__} {entropy!r}")
+    check_bool("entropy", entropy)
     if not isinstance(temperature, Tensor):
         temperature = check_temperature(temperature)
     logits3, tokens2, flat = check_logits_tokens(

@@ -268,17 +268,19 @@ def make_policy_loss(loss_mode: str = "fastrl"):
 def _check_like_log_prob(log_prob: Tensor, **others: Tensor | None) -> None:
     """ValueError, in verl's names, unless log_prob is a (bs, response_length) tensor and each
     of `others` (None: not given) a tensor of its shape on its device."""
+    from .._inputs import describe
+
     if not isinstance(log_prob, Tensor) or log_prob.dim() != 2:
-        got = tuple(log_prob.shape) if isinstance(log_prob, Tensor) else type(log_prob).__name__
-        raise ValueError(f"log_prob must be a (bs, response_length) tensor, got {got}")
+        raise ValueError(
+            f"log_prob must be a (bs, response_length) tensor, got {describe(log_prob)}"
+        )
     for name, t in others.items():
         if t is not None and (
             not isinstance(t, Tensor) or t.shape != log_prob.shape or t.device != log_prob.device
         ):
-            got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(
                 f"{name} must be like log_prob {tuple(log_prob.shape)} on {log_prob.device}, "
-                f"got {got}"
+                f"got {describe(t)}"
             )
 
 
@@ -406,9 +408,10 @@ def install(losses: bool = True, kernels: bool = True) -> list[str]:
     process group) to fastrl's ops, in verl's modules and in every verl module that imported
     them by name.
     Returns the registered loss modes. `uninstall()` undoes it."""
-    for name, value in (("losses", losses), ("kernels", kernels)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    from .._inputs import check_bool
+
+    check_bool("losses", losses)
+    check_bool("kernels", kernels)
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as e:  # pragma: no cover - depends on the environment

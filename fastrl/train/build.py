@@ -416,7 +416,9 @@ def shard(device: torch.device, *models) -> None:
                 f"{getattr(model, '_no_split_modules', None)} or ends in DecoderLayer); run it "
                 "without --fsdp (DDP)"
             )
-        for m in blocks:
+        # innermost first: a block nested in another (one listed class inside another) is
+        # sharded before the one around it, as FSDP2 wants
+        for m in reversed(blocks):
             fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
