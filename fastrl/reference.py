@@ -102,6 +102,12 @@ def policy_loss(
     )
     tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows[..., None]
     logp, entropy = token_logprobs(x.logits, x.tokens, tau)  # (B, T) each
+    # A masked token's loss term is multiplied by m = 0, so its exact gradient is 0; autograd
+    # would form 0 * inf = NaN there when the term overflows (k3's exp(ref - logp) at a very
+    # unlikely masked token), so such tokens see a detached copy.
+    counted = x.mask > 0
+    logp = torch.where(counted, logp, logp.detach())
+    entropy = torch.where(counted, entropy, entropy.detach())
     return policy_output(logp, entropy, x)
 
 

@@ -168,3 +168,27 @@ def test_entropy_only(monkeypatch):
     torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-6)
     # and the formula's h part is really non-zero here
     assert expected.abs().max() > 1e-3
+
+
+def test_the_oracles_gradient_at_a_masked_token_is_zero_where_its_term_overflows():
+    # k3's exp(ref - logp) overflows at a masked token whose logp is -100: the term is multiplied
+    # by m = 0, so the exact gradient of its row is 0, the oracle's (once 0 * inf = NaN) and
+    # fastrl's alike; the counted row's gradient and the loss agree
+    logits = torch.tensor([[[0.0, 0.0], [100.0, 0.0]]])  # (1, 2, 2): row 1's token has logp -100
+    x = dict(
+        tokens=torch.tensor([[0, 1]]),
+        advantages=torch.tensor([1.0]),
+        ref_logp=torch.tensor([[-0.7, -0.5]]),
+        mask=torch.tensor([[1.0, 0.0]]),
+        config=LossConfig(kl_coef=0.1, kl_estimator="k3"),
+    )
+    grads, losses = [], []
+    for fn in (reference.policy_loss, fastrl.policy_loss):
+        z = logits.clone().requires_grad_(True)
+        out = fn(z, **x)
+        out.loss.backward()
+        grads.append(z.grad)
+        losses.append(out.loss.detach())
+    assert torch.equal(grads[0][0, 1], torch.zeros(2))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0.0)
