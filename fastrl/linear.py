@@ -253,7 +253,11 @@ def _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask
                                                  tokens.device, as_float=False)  # fmt: skip
         return tau, m, tau
 
-    tau, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
+    params = [t for t in (hidden, weight, bias) if isinstance(t, Tensor)]
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    tau, plan = vocab_parallel.plan(
+        group, shard, check, weight, tokens, chunk_size, hidden, wants_grad
+    )
     with autocast_off:
         logp, ent = vocab_parallel.linear_logprobs(
             hidden, weight, bias, tokens, tau, float(logit_scale),
@@ -382,9 +386,11 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
         # no mask given: every row counts, found without reading one (torch.nonzero: a sync)
         return x, None if mask is None else x.mask, tau
 
-    x, plan = vocab_parallel.plan(group, shard, check, weight, tokens, chunk_size)
-    params = [t for t in (hidden, weight, bias) if t is not None]
+    params = [t for t in (hidden, weight, bias) if isinstance(t, Tensor)]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    x, plan = vocab_parallel.plan(
+        group, shard, check, weight, tokens, chunk_size, hidden, wants_grad
+    )
     cap = None if softcap is None else float(softcap)
     with autocast_off, torch.no_grad():
         logp, entropy, grads = vocab_parallel.policy_grads(

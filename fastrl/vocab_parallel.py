@@ -29,16 +29,18 @@ and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j) - h
 per-token inputs), where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r stay
 local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
 
-Collectives per call: one all-gather of 10 int64 per rank (an input-check flag, the shard index,
-the shard size, N, the counted rows, the chunk size, the token min and max, and 2 for the
-temperature's fingerprint: the one host read of the call) that checks the inputs are
-replicated and gives the offsets; then `linear_logprobs`: forward one all-gather of (R, 3) fp32
-(R = rows whose mask is not 0), backward one all-reduce of dX (N, H); `fused_linear_policy_loss`
-with a token-separable config: one (chunk, 3) all-gather per chunk of rows (three GEMMs per
-chunk, the gradient in the forward) and the dX all-reduce; sequence-level options: one (R, 3)
-all-gather, then the gradient pass (four GEMMs per chunk) and the dX all-reduce. Memory per rank:
-the single-device op's on V_r columns (a few (chunk, V_r) buffers) plus (P, chunk, 3) fp32.
-The chunk size is the same on every rank (`default_chunk` of the widest shard, or chunk_size).
+Collectives per call: one all-gather of 13 int64 per rank (an input-check flag, the shard index,
+the shard size, N, the counted rows, the chunk size, the token min and max, 2 for the
+temperature's fingerprint, hidden's width H and dtype, and whether a gradient is wanted: the one
+host read of the call) that checks the inputs are replicated (so that every rank takes the same
+collectives) and gives the offsets; then `linear_logprobs`: forward one all-gather of (R, 3)
+fp32 (R = rows whose mask is not 0), backward one all-reduce of dX (N, H);
+`fused_linear_policy_loss` with a token-separable config: one (chunk, 3) all-gather per chunk of
+rows (three GEMMs per chunk, the gradient in the forward) and the dX all-reduce; sequence-level
+options: one (R, 3) all-gather, then the gradient pass (four GEMMs per chunk) and the dX
+all-reduce. Memory per rank: the single-device op's on V_r columns (a few (chunk, V_r) buffers)
+plus (P, chunk, 3) fp32. The chunk size is the same on every rank (`default_chunk` of the widest
+shard, or chunk_size).
 
 This path runs eagerly, outside the custom ops (a process group is no op argument):
 torch.compile graph-breaks around it (`fullgraph=True` raises).
@@ -72,6 +74,13 @@ from ._linear_ops import (
     scatter_rows,
 )
 from .terms import aggregation_weights, is_token_separable
+
+# hidden's dtype in the plan's exchange: its index here (len(_DTYPES): another)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
 
 
 # --------------------------------------------------------------------------- DTensor and the plan
@@ -155,12 +164,15 @@ def _fingerprint(tau, device) -> Tensor:
     return torch.stack([t.sum(), (t * i).sum()]).to(device).view(torch.int64)
 
 
-def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[object, Plan]:
+def plan(
+    group, shard_index: int, check, weight, tokens, chunk_size, hidden, wants_grad: bool
+) -> tuple[object, Plan]:
     """Run `check()` -> (result, mask or None, temperature) and exchange what every rank must
-    agree on: one all-gather of 10 int64 per rank and one host read. A failed check is raised on
+    agree on: one all-gather of 13 int64 per rank and one host read. A failed check is raised on
     every rank (the failing rank's own message on it), so that no rank waits in a collective
     for one that raised; so are inputs that differ across ranks (sizes, token range, the
-    temperature) and tokens outside [0, V)."""
+    temperature, hidden's width and dtype, whether a gradient is wanted: each changes the
+    collectives a rank takes, and a mismatch would hang or abort) and tokens outside [0, V)."""
     P, me = dist.get_world_size(group), dist.get_rank(group)
     device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
     try:
@@ -171,11 +183,13 @@ def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[ob
         error = None
     except Exception as e:  # raised below, once every rank has reported
         error, info, result, active = e, [0, shard_index, 0, 0, 0, 0], None, None
-    mine = torch.tensor(info + [0, -1, 0, 0], dtype=torch.int64, device=device)
+    mine = torch.tensor(info + [0, -1, 0, 0, 0, 0, 0], dtype=torch.int64, device=device)
     if error is None and tokens.numel():
         mine[6:8] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
     if error is None:
-        mine[8:] = _fingerprint(tau, device)
+        mine[8:10] = _fingerprint(tau, device)
+        dtype = _DTYPES.index(hidden.dtype) if hidden.dtype in _DTYPES else len(_DTYPES)
+        mine[10:] = torch.tensor([hidden.shape[-1], dtype, int(wants_grad)])
     table = mine.new_empty(P, mine.numel())
     dist.all_gather(list(table.unbind(0)), mine, group=group)
     rows = table.tolist()
@@ -196,11 +210,21 @@ def plan(group, shard_index: int, check, weight, tokens, chunk_size) -> tuple[ob
                 f"{what} differs across ranks ({[r[col] for r in rows]}): hidden, tokens, mask and "
                 f"the per-token inputs must be replicated over the group {where}"
             )
-    if len({tuple(r[8:]) for r in rows}) > 1:
+    if len({tuple(r[8:10]) for r in rows}) > 1:
         raise ValueError(
             f"temperature differs across ranks: it must be the same float, or the same (N,) "
             f"per-token tensor, on every rank of the group {where}"
         )
+    agreed = ((10, "hidden's width H", int), (11, "hidden's dtype", _dtype_name),
+              (12, "whether a gradient is wanted", bool))  # fmt: skip
+    for col, what, show in agreed:
+        if len({r[col] for r in rows}) > 1:
+            raise ValueError(
+                f"{what} differs across ranks ([{', '.join(str(show(r[col])) for r in rows)}]): "
+                "every rank must make the same call (hidden of one width and dtype; grad mode "
+                "and requires_grad of hidden / weight / bias alike), or the collectives would not "
+                f"pair up {where}"
+            )
     order = sorted(range(P), key=lambda r: rows[r][1])  # group ranks in shard order
     widths = [rows[r][2] for r in order]
     V = sum(widths)
@@ -237,14 +261,19 @@ def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]
     own = plan.owner(y)[None]
     lse_own = lse_r.gather(0, own)  # (1, R)
     # in differences from the owner's lse (d_own = 0 exactly): the rounding of lse at its own
-    # scale, eps |lse|, then only enters the other shards' (small, in a peaked row) mass
-    d = lse_r - lse_own  # (P, R)
-    log_mass = torch.logsumexp(d, 0)  # lse - lse_own
+    # scale, eps |lse|, then only enters the other shards' (small, in a peaked row) mass. An
+    # owner with no mass (every logit of its shard -inf, y's too) while others have some: from
+    # the largest lse instead, and logp = -inf, as on one device (-inf - -inf was NaN)
+    lse_max = lse_r.amax(0, keepdim=True)
+    no_mass = (lse_own == float("-inf")) & (lse_max > float("-inf"))
+    base = torch.where(no_mass, lse_max, lse_own)
+    d = lse_r - base  # (P, R)
+    log_mass = torch.logsumexp(d, 0)  # lse - base
     pi = torch.exp(d - log_mass)
     # a shard with no mass adds 0 (not 0 * inf); a NaN row (a NaN / inf logit: NaN pi) stays NaN
     entropy = torch.where(pi == 0, 0.0, pi * (h_r + (log_mass - d))).sum(0)
-    logp = lp_r.gather(0, own)[0] - log_mass
-    return logp, entropy, lse_own[0] + log_mass
+    logp = torch.where(no_mass[0], float("-inf"), lp_r.gather(0, own)[0] - log_mass)
+    return logp, entropy, base[0] + log_mass
 
 
 def _stats(hidden, weight, bias, y, tau, scale, cap, plan: Plan):

@@ -216,6 +216,66 @@ def _check_masked_shard(b, rows, group, masked):
     _check_policy(b, rows, group, config="gspo")
 
 
+def _check_token_in_a_masked_shard(b, rows, group, masked):
+    """Counted tokens in a shard whose every column a -inf bias masks (its owner has no mass):
+    logp = -inf, H and the gradients finite, as on one device (the merge's -inf - -inf made
+    logp, H and every rank's dX NaN)."""
+    b = dict(b, bias=b["bias"].clone(), tokens=b["tokens"].clone())
+    b["bias"][masked] = float("-inf")
+    b["tokens"][1, :2] = torch.tensor([masked.start, masked.stop - 1])
+    b["mask"] = b["mask"].clone()
+    b["mask"][1, :2] = True
+    full, mine = _leaves(b), _leaves(b, rows)
+    want_lp, want_h = fastrl.linear_logprobs(full[0], full[1], b["tokens"], bias=full[2],
+                                             entropy=True, mask=b["mask"])  # fmt: skip
+    logp, ent = fastrl.linear_logprobs(mine[0], mine[1], b["tokens"], bias=mine[2], entropy=True,
+                                       mask=b["mask"], group=group)  # fmt: skip
+    assert torch.equal(want_lp[1, :2], torch.full((2,), float("-inf")))
+    assert torch.isfinite(want_h).all()
+    _close(logp, want_lp)
+    _close(ent, want_h)
+    # the gradients of H and of the finite log-probs (the -inf ones too: d logp / dz is finite)
+    up = torch.where(torch.isfinite(want_lp), b["up_lp"], 1.0)
+    want = torch.autograd.grad((want_lp * up).sum() + (want_h * b["up_h"]).sum(), full)
+    got = torch.autograd.grad((logp * up).sum() + (ent * b["up_h"]).sum(), mine)
+    assert torch.isfinite(got[0]).all()
+    _close(got[0], want[0])
+    _close(got[1], want[1][rows])
+    _close(got[2], want[2][rows])
+    out = fastrl.fused_linear_policy_loss(mine[0], mine[1], b["tokens"], b["adv"], mask=b["mask"],
+                                          bias=mine[2], config="dapo", group=group)  # fmt: skip
+    want_out = fastrl.fused_linear_policy_loss(
+        full[0], full[1], b["tokens"], b["adv"], mask=b["mask"], bias=full[2], config="dapo"
+    )
+    _close(out.entropy, want_out.entropy)
+    _close(out.metrics["entropy"], want_out.metrics["entropy"])
+    assert torch.isfinite(out.metrics["entropy"])
+
+
+def _check_calls_that_differ_across_ranks(b, rows, group, rank):
+    """Calls whose collectives would differ between ranks are refused on every rank, not left
+    to hang in a collective (or abort on a size mismatch): a gradient wanted on one rank only
+    (the fused loss then takes other collectives; linear_logprobs' backward would wait alone),
+    hidden in another dtype or width."""
+    w, bias = b["weight"][rows], b["bias"][rows]
+    hidden = b["hidden"].detach().clone().requires_grad_(rank == 0)
+    wanted = r"whether a gradient is wanted differs across ranks \(\[True, False"
+    with pytest.raises(ValueError, match=wanted):
+        fastrl.fused_linear_policy_loss(hidden, w, b["tokens"], b["adv"], bias=bias, group=group)
+    with pytest.raises(ValueError, match=wanted):
+        fastrl.linear_logprobs(hidden, w, b["tokens"], bias=bias, group=group)
+    dtype = torch.bfloat16 if rank == 1 else torch.float32
+    with pytest.raises(ValueError, match=r"hidden's dtype differs across ranks \(\[torch.float32, "
+                       r"torch.bfloat16"):  # fmt: skip
+        fastrl.linear_logprobs(b["hidden"].to(dtype), w.to(dtype), b["tokens"],
+                               bias=bias.to(dtype), group=group)  # fmt: skip
+    # with no gradient anywhere (torch.no_grad on every rank) the call is fine
+    with torch.no_grad():
+        out = fastrl.fused_linear_policy_loss(hidden, w, b["tokens"], b["adv"], bias=bias,
+                                              group=group)  # fmt: skip
+    assert torch.isfinite(out.loss)
+
+
 def _check_bad_inputs(b, rows, group, rank):
     w, bias = b["weight"][rows], b["bias"][rows]
     too_big = b["tokens"].clone()
@@ -306,11 +366,14 @@ def _worker(rank, world, store):
             _check_nearly_one_hot(rows, group)
             _check_nan_row(b, rows, group)
             _check_masked_shard(b, rows, group, slice(V - sizes[-1], V))
+            _check_token_in_a_masked_shard(b, rows, group, slice(V - sizes[-1], V))
             _check_plan_size(b, rows, group)
         _check_no_mask_reads_no_rows(b, rows, group)
         _check_dtensor(b, world)
         start = sum(SHARDS[world][0][:rank])
         _check_bad_inputs(b, slice(start, start + SHARDS[world][0][rank]), group, rank)
+        _check_calls_that_differ_across_ranks(b, slice(start, start + SHARDS[world][0][rank]),
+                                              group, rank)  # fmt: skip
     finally:
         dist.destroy_process_group()
 
