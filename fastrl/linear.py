@@ -73,6 +73,11 @@ def _check_linear(hidden, weight, bias, logit_scale, softcap, shard=False):
             f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit: expected "
             "hidden (B, T, H) or (N, H) and weight (V, H) with the same H"
         )
+    if shard and vocab_parallel.is_dtensor(hidden):
+        raise ValueError(
+            "hidden is a DTensor: the vocab-parallel LM head takes the hidden states as a plain "
+            "tensor, the same on every rank (e.g. a replicated DTensor's .to_local())"
+        )
     V, H = weight.shape
     if H < 1 or V < (0 if shard else 1):
         raise ValueError(f"weight must be (V, H) with V >= 1 and H >= 1, got {tuple(weight.shape)}")

@@ -121,6 +121,13 @@ def _check_dtensor(b, world):
     replicated = distribute_tensor(b["weight"], mesh, [Replicate()])
     with pytest.raises(ValueError, match=r"weight is a DTensor with placements \(Replicate"):
         fastrl.linear_logprobs(b["hidden"], replicated, b["tokens"])
+    # a replicated DTensor of the hidden states: a clear error (was torch's "mixed torch.Tensor
+    # and DTensor" from deep inside), on every rank
+    hidden_dt = distribute_tensor(b["hidden"].contiguous(), mesh, [Replicate()])
+    with pytest.raises(ValueError, match="hidden is a DTensor"):
+        fastrl.linear_logprobs(hidden_dt, weight.detach(), b["tokens"], bias=bias.detach())
+    with pytest.raises(ValueError, match="hidden is a DTensor"):
+        fastrl.fused_linear_policy_loss(hidden_dt, weight.detach(), b["tokens"], b["adv"])
 
 
 def _check_nearly_one_hot(rows, group):
