@@ -415,3 +415,58 @@ def test_clip_metrics_with_a_masked_first_token_as_trl(level, model_dir, tmp_pat
     for k in keys:
         assert our_metrics[k] == pytest.approx(trl_metrics[k], abs=1e-6), k
     assert trl_metrics["clip_ratio/low_mean"][0] > 0  # the case the test is about
+
+
+def test_one_token_completions_log_the_metrics_of_the_counted_tokens(model_dir, tmp_path):
+    """Completions one token long (T = 1) with a masked row: TRL takes any (B, 1) tensor for
+    one value per sequence and averages kl and the clip fractions over every row, the masked
+    one's too. fastrl logs the counted tokens' means: what stock TRL logs for the same batch
+    with one more, masked, column (T = 2), where its shape rule does not apply."""
+    import collections
+
+    def make(cls, i):
+        args = grpo_args(tmp_path / f"{cls.__module__}{i}", loss_type="grpo", beta=0.5,
+                         gradient_accumulation_steps=1, max_completion_length=2)  # fmt: skip
+        ds = datasets.Dataset.from_dict({"prompt": ["ab"] * 8})
+        t = cls(model=model_dir, reward_funcs=reward_chars, args=args, train_dataset=ds,
+                processing_class=default_tokenizer())  # fmt: skip
+        t.current_gradient_accumulation_steps = 1
+        t.model.train()
+        return t
+
+    stock, ours = make(trl.GRPOTrainer, 0), make(fastrl_trl.GRPOTrainer, 1)
+    g = torch.Generator().manual_seed(0)
+    V = stock.model.config.vocab_size
+    prompt = torch.randint(3, V, (4, 3), generator=g)
+    completion = torch.randint(3, V, (4, 2), generator=g)
+    ids = torch.cat([prompt, completion], 1)
+    with torch.no_grad():
+        logp = stock._get_per_token_logps_and_entropies(stock.model, ids, torch.ones_like(ids), 2)
+    logp = logp[0]
+    # row 3 is masked; its ratio e^-1 (A < 0: clipped low) and its KL large would show in a mean
+    # that counted it; row 1's ratio is clipped high and counts
+    old = logp + torch.tensor([[0.0], [-1.0], [0.0], [1.0]])
+    ref = logp + torch.tensor([[0.0], [0.5], [0.0], [3.0]])
+    mask = torch.tensor([[1, 0], [1, 0], [1, 0], [0, 0]])
+
+    def inputs(T):
+        return dict(
+            prompt_ids=prompt, prompt_mask=torch.ones(4, 3, dtype=torch.long),
+            completion_ids=completion[:, :T], completion_mask=mask[:, :T],
+            advantages=torch.tensor([1.0, 1.0, 1.0, -1.0]), old_per_token_logps=old[:, :T],
+            ref_per_token_logps=ref[:, :T], num_items_in_batch=torch.tensor(3.0),
+        )  # fmt: skip
+
+    def logged(t, T):
+        t._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+        loss = t._compute_loss(t.model, inputs(T))
+        return loss.item(), {k: v[0] for k, v in t._metrics["train"].items()}
+
+    loss_trl, want = logged(stock, 2)
+    for T in (1, 2):
+        loss, got = logged(ours, T)
+        assert loss == pytest.approx(loss_trl, rel=1e-5)
+        keys = ["kl", "entropy"] + [k for k in want if k.startswith("clip_ratio/")]
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (T, k)
+    assert want["kl"] > 0 and want["clip_ratio/high_mean"] > 0  # the metrics the test is about

@@ -130,6 +130,19 @@ def _both_losses(mode, agg, info, installed, B=4, T=6, **config_fields):
     return results
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo"])
+@pytest.mark.parametrize("low", [1.0, 1.5])
+def test_a_lower_clip_ratio_of_one_or_more_reads_as_verl(mode, low, installed):
+    """verl accepts clip_ratio_low >= 1 (a lower bound 1 - c <= 0, which a ratio > 0 never
+    reaches): fastrl reads it as no lower clip, clip_low = 1, and equals verl (1.5 was refused
+    with an error about LossConfig.clip_low, a field verl users never set)."""
+    (theirs, g1), (ours, g2) = _both_losses(mode, "token-mean", {}, installed, B=5, T=7,
+                                            clip_ratio_low=low, clip_ratio_high=0.28)  # fmt: skip
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-6)
+    assert fastrl_verl.loss_config_from_verl(actor_config(mode, clip_ratio_low=low)).clip_low == 1
+
+
 def test_registered_sapo_reads_the_actor_taus(installed):
     """The registered fastrl_sapo takes tau_pos / tau_neg from verl's actor config, as verl's
     sapo does: with taus other than the defaults (0.8 / 2.0) loss and gradient equal verl's."""

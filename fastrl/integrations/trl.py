@@ -380,13 +380,20 @@ def _make_trainer_class():
                 coef_1 = torch.where(counted, coef_1, -math.inf).amax(-1, keepdim=True)
                 coef_1 = torch.where(counted.any(-1, keepdim=True), coef_1, 1.0)
 
+            # TRL takes any (B, 1) tensor for one value per sequence, so with one-token
+            # completions (T = 1) it also averages a token-level one (kl, entropy, the token
+            # ratios' clip fractions) over every row, masked ones too; here only the sequence
+            # ratios' (B, 1) tensors are per sequence, a token-level one is averaged over the
+            # counted tokens whatever T (docs/integrations.md)
+            per_seq = self.importance_sampling_level == "sequence"
+
             def masked_seq_mean(v):
-                if v.shape[1] == 1:
+                if per_seq and v.shape[1] == 1:
                     return v.squeeze(1)
                 return (v * mask).sum(-1) / mask.sum(-1)
 
             def global_masked_mean(v):
-                if v.shape[1] == 1:
+                if per_seq and v.shape[1] == 1:
                     local = v.sum(), torch.tensor(float(v.shape[0]), device=v.device)
                 else:
                     local = (v * mask).sum(), mask.sum().float()

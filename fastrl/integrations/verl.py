@@ -140,7 +140,9 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
     fields: dict[str, Any] = dict(
         policy=policy,
         ratio_level=level,
-        clip_low=float(_get(actor, "clip_ratio_low", clip)),
+        # a ratio is > 0, so verl's lower bound 1 - c <= 0 never binds for c >= 1: that is
+        # SPEC's clip_low = 1 (in [0, 1]: no lower clip), where verl accepts any c
+        clip_low=min(float(_get(actor, "clip_ratio_low", clip)), 1.0),
         clip_high=float(_get(actor, "clip_ratio_high", clip)),
         clip_dual=float(_get(actor, "clip_ratio_c", 3.0)) if mode == "vanilla" else None,
         # verl's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says
