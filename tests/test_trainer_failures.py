@@ -178,6 +178,23 @@ def flaky(completion, answer):
 """
 
 
+@pytest.mark.parametrize("sft_steps", [1, 3])
+def test_a_nonfinite_supervised_warm_up_stops_before_any_eval(tmp_path, capsys, sft_steps):
+    """A warm-up whose learning rate blows the weights up stops right after it, naming
+    --sft-lr / --sft-steps: no eval of the broken model is logged and RL step 1 is not blamed.
+    With one step the loss printed was the one before the update (finite): the weights it left
+    are checked too."""
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), *TINY, "--sft-steps", str(sft_steps), "--sft-lr", "1e30"]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "supervised warm-up" in err and "--sft-lr" in err and "non-finite" in err
+    assert "step 1: non-finite" not in err
+    metrics = out / "metrics.jsonl"
+    assert not metrics.exists() or steps_of(out) == []
+
+
 def test_reward_failures_are_shown_counted_and_never_reach_the_loss(reward_module, tmp_path):
     name = reward_module("rw_flaky", FLAKY)
     lines = []

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..losses import logprobs
 from . import algos
-from .common import Batch, all_ranks
+from .common import Batch, TrainingError, all_ranks
 from .rollout import (
     Rollout,
     check_positions,
@@ -62,18 +62,38 @@ def supervised_warmup(run: Run, policy: nn.Module) -> None:
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc="supervised warm-up", dynamic_ncols=True, leave=False)
-    for _ in steps:
-        r = _teacher_forced(run, run.task.warmup_examples(rng, cfg.sft_batch_size))
-        P, T = r.prompt_ids.shape[1], r.completion_ids.shape[1]
-        check_positions(policy, P, T, f"--sft-steps {run.sft_steps} (a target of {T} tokens)")
+
+    def nll(r: Rollout) -> torch.Tensor:
         with run.amp():
             logits, _ = forward_completion_logits(policy, r)
             lp = logprobs(logits, r.completion_ids)
-        loss = -(lp * r.completion_mask).sum() / r.completion_mask.sum()
+        return -(lp * r.completion_mask).sum() / r.completion_mask.sum()
+
+    def refuse(what: str) -> None:
+        raise TrainingError(
+            f"supervised warm-up: {what}, so nothing was trained by RL and no eval is logged: "
+            f"lower --sft-lr (now {cfg.sft_lr}) or --sft-steps (now {run.sft_steps}), or run "
+            "without a warm-up (--sft-steps 0)"
+        )
+
+    for i in steps:
+        r = _teacher_forced(run, run.task.warmup_examples(rng, cfg.sft_batch_size))
+        P, T = r.prompt_ids.shape[1], r.completion_ids.shape[1]
+        check_positions(policy, P, T, f"--sft-steps {run.sft_steps} (a target of {T} tokens)")
+        loss = nll(r)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        # the norm of the gradients every rank holds alike (DDP / FSDP reduce them): each rank
+        # stops at the same step; a non-finite one would make every weight NaN
+        if not torch.isfinite(norm):
+            bad = f"a non-finite loss ({float(loss.detach()):.4g}) or gradient norm"
+            refuse(f"step {i + 1} of {run.sft_steps} had {bad} ({float(norm):.4g})")
         opt.step()
+    with torch.no_grad():  # the loss after the last step (the same batch): the weights it left
+        loss = nll(r)
+    if not torch.isfinite(loss):
+        refuse(f"the weights after its last step give a non-finite loss ({float(loss):.4g})")
     note = getattr(run.task, "warmup_note", "")
     run.console.log(
         f"supervised warm-up: {run.sft_steps} steps x {cfg.sft_batch_size} examples "
