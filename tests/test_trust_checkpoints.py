@@ -163,6 +163,34 @@ def test_a_resume_in_another_dtype_says_so(two_step_run, tmp_path, capsys):
     assert state["compute_dtype"] == "bf16"
 
 
+@pytest.mark.parametrize("which", ["--task", "--eval-file"])
+def test_a_resume_whose_data_file_changed_is_refused(tmp_path, capsys, which):
+    """A checkpoint records the SHA-256 of the .jsonl task and --eval-file it read: after the
+    file is edited, --resume is refused naming it (it split, shuffled and held out the new lines
+    with no word: held-out lines could be trained on), and resumes once it is restored."""
+    lines = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(4)
+             for b in range(3)]  # fmt: skip
+    task, evals = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
+    task.write_text("\n".join(lines) + "\n")
+    evals.write_text("\n".join(lines[:4]) + "\n")
+    out = tmp_path / "run"
+    args = ["--task", str(task), "--save-every", "1", "--progress", "false"]
+    args += ["--eval-file", str(evals)] if which == "--eval-file" else ["--eval-split", "0.3"]
+    assert main(["train", "--steps", "1", "--out", str(out), *tiny_run.TINY, *args]) == 0
+    state = json.loads((out / "checkpoints" / "step-000001" / "state.json").read_text())
+    assert set(state["data_sha256"]) == {"--task"} | ({which} if which == "--eval-file" else set())
+    path = task if which == "--task" else evals
+    original = path.read_text()
+    path.write_text(original.replace("0+1=", "1+0="))
+    capsys.readouterr()
+    rc = main(["train", "--resume", str(out), "--steps", "2", "--progress", "false"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"--resume: {which} {path} changed since" in err and "--model" in err, err
+    path.write_text(original)
+    assert main(["train", "--resume", str(out), "--steps", "2", "--progress", "false"]) == 0
+
+
 def test_the_resume_docs_name_every_option_a_resume_may_change():
     """--resume's help lists the options that may be given anew (RESUME_OVERRIDABLE)."""
     from fastrl.train.cli_args import RESUME_OVERRIDABLE, field_docs

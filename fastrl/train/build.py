@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import math
 import os
 import random
@@ -57,6 +58,7 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
     check_out_dir(cfg)
     device = pick_device(cfg.device, world)
     auto_dtype = "bf16" if native_bf16(device) else "fp32"
+    data_sha256 = data_fingerprints(cfg)  # (just before reading them)
     task = get_task(cfg.task, cfg.reward)  # raises on unknown task / bad JSONL
     eval_set = eval_examples(cfg, task, console.log)  # held-out lines leave the training set
     scorer = RewardScorer(task.reward_fn, cfg.reward_timeout, report=console.report)
@@ -105,6 +107,7 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
         use_ref=loss_cfg.kl_coef > 0 or (cfg.algo == "ppo" and bool(cfg.kl_coef)),
         fused_lm_head=cfg.fsdp and lm_head_fusable(policy, cfg.top_k, cfg.top_p),
         grad_scale=world,  # DDP and FSDP2 average gradients; the loss is a sum
+        data_sha256=data_sha256,
     )
     state = TrainState(
         policy=policy,
@@ -114,6 +117,22 @@ def build(cfg: TrainConfig, log, load_models: Callable[[], tuple]) -> tuple[Run,
         task_order=EpochOrder(cfg.seed, rank, world),
     )
     return run, state
+
+
+def data_fingerprints(cfg: TrainConfig) -> dict[str, str]:
+    """{option: SHA-256 of its file} for the data files the run reads: a .jsonl --task and
+    --eval-file (a built-in task reads none)."""
+    files = {"--task": cfg.task if cfg.task not in BUILTIN_TASKS else None,
+             "--eval-file": cfg.eval_file}  # fmt: skip
+    out = {}
+    for option, path in files.items():
+        if path and os.path.isfile(path):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            out[option] = digest.hexdigest()
+    return out
 
 
 def check_options(cfg: TrainConfig, world: int) -> None:

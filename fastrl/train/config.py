@@ -115,7 +115,8 @@ class TrainConfig:
     """Resume from this output directory's last complete checkpoint (the run continues exactly
     as if uninterrupted; the other options are taken from its config.json, except --steps,
     --device, --dtype, --progress, --num-threads, --save-every, --eval-every,
-    --reward-timeout, --max-time and --report-to, which may be given anew)."""
+    --reward-timeout, --max-time and --report-to, which may be given anew). A .jsonl --task
+    or --eval-file whose contents changed since the checkpoint is refused."""
 
     force: bool = False
     """Start a fresh run in an --out directory that already holds a run (config.json,

@@ -67,6 +67,7 @@ def save(run: Run, state: TrainState) -> str | None:
     if run.rank == 0:
         meta = {"step": state.step, "world": run.world, "config": cfg.to_dict()}
         meta["compute_dtype"] = run.compute_dtype  # what --dtype resolved to (auto: the device)
+        meta["data_sha256"] = run.data_sha256  # the task / eval files' contents
         meta["rng"] = rank_states[0]
         ckpt = ckpt_io.save_checkpoint(
             os.path.join(cfg.out, "checkpoints"),
@@ -154,6 +155,7 @@ def _load(run: Run, state: TrainState, ckpt: str) -> None:
     then be partly overwritten: load another checkpoint or give up)."""
     optim_state, meta = ckpt_io.load_checkpoint(ckpt, state.models(), run.device)
     _check_world(run, ckpt, meta)
+    _check_data(run, ckpt, meta)
     path = os.path.join(ckpt, "optimizer.pt")
     try:
         state.opt.load_state_dict(optim_state["optimizer"])
@@ -225,6 +227,27 @@ def _check_world(run: Run, ckpt: str, meta: dict) -> None:
             f"{run.world}; a run resumes only on as many processes as saved it (each rank's "
             f"data and sampling continue from its own state). Continue it with "
             f"`{resume_command(run.cfg.out, saved)}`, or start a new run from its weights with "
+            f"--model {os.path.join(ckpt, HF_DIR)}"
+        )
+
+
+def _check_data(run: Run, ckpt: str, meta: dict) -> None:
+    """ValueError when a data file the run reads (a .jsonl --task, --eval-file) is not the one
+    `ckpt`'s run read: the run would split, shuffle and hold out other lines (held-out lines
+    could be trained on, and the evals before and after the resume would score other sets), so
+    it could not go on as if uninterrupted. Checkpoints without the record (an older fastrl's)
+    are not checked."""
+    saved = meta.get("data_sha256")
+    if not saved:
+        return
+    changed = [o for o in saved if run.data_sha256.get(o) != saved[o]]
+    if changed:
+        cfg = run.cfg
+        files = ", ".join(f"{o} {cfg.task if o == '--task' else cfg.eval_file}" for o in changed)
+        raise ValueError(
+            f"--resume: {files} changed since {ckpt} was saved (SHA-256 of its contents); the run "
+            "would split, shuffle and hold out other lines than it trained and evaluated on. "
+            "Restore the file to resume, or start a new run from its weights with "
             f"--model {os.path.join(ckpt, HF_DIR)}"
         )
 

@@ -64,6 +64,10 @@ class Run:
     """The world size: DDP / FSDP2 average gradients over the ranks, so the loss is this times
     the rank's share; folded into the loss normalisers (num_tokens / grad_scale), so backward
     starts from 1."""
+    data_sha256: dict[str, str]
+    """SHA-256 of each data file the run reads, by option ("--task" for a .jsonl task,
+    "--eval-file"), taken when it read them: a checkpoint records it, and a resume whose files
+    changed is refused (it would split, shuffle and hold out other lines)."""
 
     def amp(self):
         """A fresh autocast context: bf16 under --dtype bf16 (auto: on CUDA), else none."""
