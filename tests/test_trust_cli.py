@@ -306,6 +306,18 @@ def test_missing_config_file(tmp_path, capsys):
     assert rc == 2 and f"--config {tmp_path / 'none.yaml'}: no such file" in err
 
 
+def test_config_given_twice_exits_2_naming_both(tmp_path, capsys):
+    """Two --config files: an error naming both (argparse kept the last one alone, silently
+    dropping the first file's options)."""
+    a, b = tmp_path / "a.json", tmp_path / "b.yaml"
+    a.write_text('{"eval_size": 4}')
+    b.write_text("steps: 1\n")
+    rc, _, err = run_cli(capsys, "--config", str(a), "--config", str(b), "--out",
+                         str(tmp_path / "o"), *TINY)  # fmt: skip
+    assert rc == 2 and f"--config given twice ({a}, {b})" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 # ----------------------------------------------------------------------- the add task, hints
 def test_readme_and_help_say_what_the_add_task_is(capsys):
     import random

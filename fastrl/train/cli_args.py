@@ -149,6 +149,20 @@ class _Store(argparse.Action):
         namespace._names = names
 
 
+class _OneFile(argparse.Action):
+    """--config: one file; given twice, an error (argparse would keep the last one alone,
+    silently dropping the options of the first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = getattr(namespace, self.dest, None)
+        if first is not None:
+            parser.error(
+                f"--config given twice ({first}, {values}): give one file (flags on the command "
+                "line override its options)"
+            )
+        setattr(namespace, self.dest, values)
+
+
 class _Refuse(argparse.Action):
     """A TRL option whose meaning differs here: an error that says what to use instead."""
 
@@ -160,6 +174,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         metavar="FILE",
+        action=_OneFile,
         default=argparse.SUPPRESS,
         help="Read options from a YAML (.yaml / .yml) or JSON file: a mapping of option names "
         "(batch_size or batch-size, or their TRL aliases) to values; flags given on the command "
