@@ -120,8 +120,9 @@ class TrainConfig:
 
     force: bool = False
     """Start a fresh run in an --out directory that already holds a run (config.json,
-    metrics.jsonl or checkpoints/), deleting that run's files. Without it such a directory is
-    refused (unless --resume points at it)."""
+    metrics.jsonl or checkpoints/), deleting what a run writes there: metrics.jsonl,
+    curves.png and the checkpoints/ and tensorboard/ folders whole (with anything put in them),
+    and writing config.json anew; other files stay. Without it such a directory is refused (unless --resume points at it)."""
 
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
