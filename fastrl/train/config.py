@@ -122,7 +122,8 @@ class TrainConfig:
     """Start a fresh run in an --out directory that already holds a run (config.json,
     metrics.jsonl or checkpoints/), deleting what a run writes there: metrics.jsonl,
     curves.png and the checkpoints/ and tensorboard/ folders whole (with anything put in them),
-    and writing config.json anew; other files stay. Without it such a directory is refused (unless --resume points at it)."""
+    and writing config.json anew; other files stay. Without it such a directory is refused
+    (unless --resume points at it)."""
 
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available). Under torchrun each rank uses
