@@ -183,13 +183,15 @@ def plan(
         error = None
     except Exception as e:  # raised below, once every rank has reported
         error, info, result, active = e, [0, shard_index, 0, 0, 0, 0], None, None
-    mine = torch.tensor(info + [0, -1, 0, 0, 0, 0, 0], dtype=torch.int64, device=device)
+    agreed = [0, 0, 0]  # hidden's width, its dtype (index in _DTYPES), a gradient wanted
+    if error is None:
+        dtype = _DTYPES.index(hidden.dtype) if hidden.dtype in _DTYPES else len(_DTYPES)
+        agreed = [hidden.shape[-1], dtype, int(wants_grad)]
+    mine = torch.tensor(info + [0, -1, 0, 0] + agreed, dtype=torch.int64, device=device)
     if error is None and tokens.numel():
         mine[6:8] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
     if error is None:
         mine[8:10] = _fingerprint(tau, device)
-        dtype = _DTYPES.index(hidden.dtype) if hidden.dtype in _DTYPES else len(_DTYPES)
-        mine[10:] = torch.tensor([hidden.shape[-1], dtype, int(wants_grad)])
     table = mine.new_empty(P, mine.numel())
     dist.all_gather(list(table.unbind(0)), mine, group=group)
     rows = table.tolist()

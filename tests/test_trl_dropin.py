@@ -364,6 +364,22 @@ def test_head_saves_no_weight_copy_and_matches_trl(setting):
     torch.testing.assert_close(grad_f.float() / scale, grad_t.float() / scale, **tol)
 
 
+def _loss_trainers(model_dir, tmp_path, **fields):
+    """(stock trl.GRPOTrainer, fastrl's drop-in) on the tiny model with GRPOConfig `fields`,
+    ready for `_compute_loss` on hand-made inputs (train mode, no accumulation)."""
+    trainers = []
+    for i, cls in enumerate((trl.GRPOTrainer, fastrl_trl.GRPOTrainer)):
+        args = grpo_args(tmp_path / f"{cls.__module__}{i}", gradient_accumulation_steps=1,
+                         **fields)  # fmt: skip
+        ds = datasets.Dataset.from_dict({"prompt": ["ab"] * 8})
+        t = cls(model=model_dir, reward_funcs=reward_chars, args=args, train_dataset=ds,
+                processing_class=default_tokenizer())  # fmt: skip
+        t.current_gradient_accumulation_steps = 1
+        t.model.train()
+        trainers.append(t)
+    return trainers
+
+
 @pytest.mark.parametrize("level", ["sequence", "token"])
 def test_clip_metrics_with_a_masked_first_token_as_trl(level, model_dir, tmp_path):
     """A tool_mask (or a rollout_func's env_mask) can mask a completion's first token while
@@ -371,18 +387,8 @@ def test_clip_metrics_with_a_masked_first_token_as_trl(level, model_dir, tmp_pat
     token (1) instead of the sequence's: clip_ratio/low_mean 0 where TRL logs 0.25."""
     import collections
 
-    def make(cls, i):
-        args = grpo_args(tmp_path / f"{cls.__module__}{i}", importance_sampling_level=level,
-                         loss_type="grpo", gradient_accumulation_steps=1,
-                         max_completion_length=6)  # fmt: skip
-        ds = datasets.Dataset.from_dict({"prompt": ["ab"] * 8})
-        t = cls(model=model_dir, reward_funcs=reward_chars, args=args, train_dataset=ds,
-                processing_class=default_tokenizer())  # fmt: skip
-        t.current_gradient_accumulation_steps = 1
-        t.model.train()
-        return t
-
-    stock, ours = make(trl.GRPOTrainer, 0), make(fastrl_trl.GRPOTrainer, 1)
+    stock, ours = _loss_trainers(model_dir, tmp_path, importance_sampling_level=level,
+                                 loss_type="grpo", max_completion_length=6)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     V = stock.model.config.vocab_size
     inputs = dict(
@@ -424,17 +430,8 @@ def test_one_token_completions_log_the_metrics_of_the_counted_tokens(model_dir, 
     with one more, masked, column (T = 2), where its shape rule does not apply."""
     import collections
 
-    def make(cls, i):
-        args = grpo_args(tmp_path / f"{cls.__module__}{i}", loss_type="grpo", beta=0.5,
-                         gradient_accumulation_steps=1, max_completion_length=2)  # fmt: skip
-        ds = datasets.Dataset.from_dict({"prompt": ["ab"] * 8})
-        t = cls(model=model_dir, reward_funcs=reward_chars, args=args, train_dataset=ds,
-                processing_class=default_tokenizer())  # fmt: skip
-        t.current_gradient_accumulation_steps = 1
-        t.model.train()
-        return t
-
-    stock, ours = make(trl.GRPOTrainer, 0), make(fastrl_trl.GRPOTrainer, 1)
+    stock, ours = _loss_trainers(model_dir, tmp_path, loss_type="grpo", beta=0.5,
+                                 max_completion_length=2)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     V = stock.model.config.vocab_size
     prompt = torch.randint(3, V, (4, 3), generator=g)
