@@ -46,9 +46,9 @@ Reported per row:
                  MALLOC_MMAP_THRESHOLD_=65536 does at start-up: freed tensors leave the resident
                  set at once); CUDA: max_memory_allocated delta
   comm_MB        MiB communicated per call, from fastrl.vocab_parallel's docstring: the
-                 all-gather of 3 fp32 per counted row per rank (12 * N * P bytes; per chunk of
+                 all-gather of 4 fp32 per counted row per rank (16 * N * P bytes; per chunk of
                  rows for a token-separable config, once for all rows otherwise), the all-reduce
-                 of d hidden (N * H * itemsize) and the plan's all-gather of 8 int64 per rank
+                 of d hidden (N * H * itemsize) and the plan's all-gather of 13 int64 per rank
                  (comm_allgather_B, comm_allreduce_B, comm_plan_B); logits_MB (N * V * itemsize)
                  is what gathering the logits instead would move
   comm_ms        the same collectives alone (same sizes, same count), timed like total_ms
@@ -100,6 +100,7 @@ warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
 import _common as common  # noqa: E402
 
 import fastrl  # noqa: E402
+from fastrl import vocab_parallel as vp  # noqa: E402
 from fastrl._linear_ops import default_chunk  # noqa: E402
 from fastrl.config import resolve_config  # noqa: E402
 from fastrl.terms import is_token_separable  # noqa: E402
@@ -189,9 +190,9 @@ def comm_plan(op: str, args, P: int, device: str) -> dict:
     sizes = [min(chunk, N - i) for i in range(0, N, chunk)] if per_chunk else [N]
     return {
         "allgather_rows": sizes,
-        "comm_allgather_B": 12 * N * P,
+        "comm_allgather_B": 4 * vp.MERGE_FLOATS * N * P,
         "comm_allreduce_B": N * args.H * itemsize,
-        "comm_plan_B": 8 * 8 * P,
+        "comm_plan_B": 8 * vp.PLAN_INTS * P,
     }
 
 
@@ -673,8 +674,9 @@ def main(argv=None):
         "timing": f"perf_counter per call after a barrier, max over ranks; warmup {args.warmup}, "
         f"rep {args.rep}",
         "memory": args.memory,
-        "communication": "per call: all-gather of 3 fp32 per row per rank (12 N P B), all-reduce "
-        "of d hidden (N H itemsize B), the plan's all-gather of 8 int64 per rank",
+        "communication": f"per call: all-gather of {vp.MERGE_FLOATS} fp32 per row per rank "
+        f"({4 * vp.MERGE_FLOATS} N P B), all-reduce of d hidden (N H itemsize B), the plan's "
+        f"all-gather of {vp.PLAN_INTS} int64 per rank",
         "seed": args.seed,
         "env": common.run_env(),
         "notes": notes,

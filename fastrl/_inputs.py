@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import TAU_MIN, LossConfig, _is_finite32, _is_int, resolve_config
+from .config import TAU_MIN, TAU_MIN_TEXT, LossConfig, _is_finite32, _is_int, resolve_config
 from .packing import Packing, make_packing
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,7 +134,7 @@ def inv_tau(tau):
 
 
 def check_temperature(temperature: float) -> float:
-    expected = f"a float >= {TAU_MIN:.3g} (1 / temperature finite in fp32)"
+    expected = "a float >= " + TAU_MIN_TEXT + " (1 / temperature finite in fp32)"
     return check_number("temperature", temperature, expected, lambda t: t >= TAU_MIN)
 
 

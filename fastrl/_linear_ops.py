@@ -5,7 +5,8 @@ Per chunk of R rows (the rows whose mask is not 0, gathered from hidden (N, H) o
     a = h W^T (+ b)                (R, V) one GEMM, in the hidden states' dtype, into one reused
                                    (chunk, V) buffer
     z = s a, or c tanh(s a / c)    logit_scale s, Gemma-style softcap c (exact gradients)
-    z' = z / tau                   then the fused row statistics of fastrl.ops (logp, H, lse)
+    z' = z / tau                   then the fused row statistics of fastrl.ops (logp, H, and
+                                   m = max z', log s = lse - m for an exact backward)
 
 and, for a gradient, dL/dz in place of z (SPEC 6), dL/da = dz * dz/da, then dX[rows] = da W and
 dW += da^T X (dW and db accumulated across chunks in fp32, each chunk's product formed in fp32
@@ -13,8 +14,9 @@ as well, cast once at the end).
 
 Registered ops (namespace "fastrl"; fake implementations included, so torch.compile traces them):
   fastrl::linear_token_stats(hidden, weight, bias, tokens, mask, tau, s, c, chunk,
-      temperature_rows=None) -> (logp, entropy, lse), fp32 (N,) each; 0 where mask == 0
-  fastrl::linear_token_stats_backward(..., logp, lse, entropy, g, h, ..., temperature_rows=None)
+      temperature_rows=None) -> (logp, entropy, m, log_s), fp32 (N,) each; 0 where mask == 0
+  fastrl::linear_token_stats_backward(..., logp, m, log_s, entropy, g, h, ...,
+      temperature_rows=None)
       -> (dX, dW, db or (0,))
   fastrl::linear_policy_grad(hidden, weight, bias, <ops.POLICY_ARGS_SCHEMA>, s, c, chunk,
       all_rows)
@@ -212,17 +214,17 @@ def _bias_or_empty(bias, weight):
 
 
 def row_stats(z: Tensor, y: Tensor, temperature):
-    """(logp, entropy, lse) fp32 (1, R) of a chunk's logits z (1, R, V), tokens y (1, R), on the
-    device's backend (`ops.backend`); temperature a float or the chunk's (1, R) per-row tau."""
-    return ops.backend(z.device).row_stats(z, y, ops.temperature_arg(temperature))
+    """(logp, entropy, m, log_s) fp32 (1, R) of a chunk's logits z (1, R, V), tokens y (1, R),
+    on the device's backend (`ops._row_stats`: m = max z', log s = lse - m); temperature a float
+    or the chunk's (1, R) per-row tau."""
+    return ops._row_stats(z, y, temperature)
 
 
-def row_grad_(z: Tensor, y, logp, lse, entropy, g, h, temperature) -> Tensor:
+def row_grad_(z: Tensor, y, logp, m, log_s, entropy, g, h, temperature) -> Tensor:
     """SPEC 6's dL/dz written over the chunk's logits z (1, R, V) (each row is read before it is
-    written) from its (1, R) statistics (logp, lse, entropy) and g, h (h None: 0); temperature
-    as in `row_stats`."""
-    tau = ops.temperature_arg(temperature)
-    return ops.backend(z.device).row_grad_(z, y, logp, lse, entropy, g, h, tau, z)
+    written) from its (1, R) statistics (logp, m, log_s, entropy) and g, h (h None: 0), with
+    p_j = exp((z'_j - m) - log s), exact at any offset; temperature as in `row_stats`."""
+    return ops._row_grad_(z, y, logp, m, log_s, entropy, g, h, temperature, z)
 
 
 def pick_temperature(temperature, idx: Tensor):
@@ -247,10 +249,10 @@ def scatter_rows(values: Tensor, active: Tensor, N: int) -> list[Tensor]:
 
 # --------------------------------------------------------------------------- the two loops
 def local_stats(hidden, weight, bias, y, active, temperature, logit_scale, softcap, chunk):
-    """fp32 (3, R) (logp, entropy, lse) of the rows `active` (R,) of hidden, tokens y (N,)
+    """fp32 (4, R) (logp, entropy, m, log_s) of the rows `active` (R,) of hidden, tokens y (N,)
     (flat, in [0, V)), z = softcap(s (hidden W^T + b)) / tau; `chunk` rows per GEMM.
     temperature: a float, or a tensor of per-row tau (N elements)."""
-    out = torch.empty(3, active.numel(), dtype=torch.float32, device=hidden.device)
+    out = torch.empty(4, active.numel(), dtype=torch.float32, device=hidden.device)
     buf = _Buffer(min(chunk, max(active.numel(), 1)), weight)
     for s, idx in zip(range(0, active.numel(), chunk), _chunks(active, chunk)):
         z = _logits(_gather(hidden, idx), weight, bias, logit_scale, softcap, buf)
@@ -261,10 +263,11 @@ def local_stats(hidden, weight, bias, y, active, temperature, logit_scale, softc
     return out
 
 
-def local_grads(hidden, weight, bias, y, active, logp, lse, entropy, g, h, temperature,
+def local_grads(hidden, weight, bias, y, active, logp, m, log_s, entropy, g, h, temperature,
                 logit_scale, softcap, chunk):  # fmt: skip
     """(dX (N, H), dW (V, H) fp32, db or None) from g = dL/dlogp and h = dL/dH (fp32 (N,), h
-    may be None) and the rows' logp, lse and H (N,): per chunk of `active` the logits again,
+    may be None) and the rows' logp, m, log s and H (N,) (`local_stats`; a vocab-parallel shard
+    passes the whole row's lse - m as log s): per chunk of `active` the logits again,
     SPEC 6's dz in place, then dX = dz W, dW += dz^T X. A token y outside [0, V) gets no entry
     at y (its row's dz is -p (g + h (log p + H)) / tau: the vocab-parallel shards that do not
     own it).
@@ -277,7 +280,8 @@ def local_grads(hidden, weight, bias, y, active, logp, lse, entropy, g, h, tempe
         factor = _chain_factor(z, logit_scale, softcap)
         pick = lambda t, idx=idx: None if t is None else t.index_select(0, idx)[None]  # noqa: E731
         tau = pick_temperature(temperature, idx)
-        row_grad_(z[None], pick(y), pick(logp), pick(lse), pick(entropy), pick(g), pick(h), tau)
+        stats = (pick(t) for t in (y, logp, m, log_s, entropy, g, h))
+        row_grad_(z[None], *stats, tau)
         grads.add(idx, rows, _to_pre_activation(z, factor, logit_scale), weight)
         del z, factor
     return grads.result(bias)
@@ -297,9 +301,10 @@ def linear_token_stats(
     chunk: int,
     temperature_rows: Tensor | None = None,
     source: str = "",
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for the
-    rows of hidden (N', .., H) flattened to N; 0 where mask == 0 (never computed).
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, m, log_s), each fp32 (N,), of z = softcap(s (hidden W^T + b)) / tau for
+    the rows of hidden (N', .., H) flattened to N (m = max z', log s = lse - m: for the
+    backward); 0 where mask == 0 (never computed).
     temperature_rows: None, or fp32 (N,) per-row tau replacing `temperature` (no gradient).
     source: ops.SOURCE_KEY, unused here (it keys torch.compile's caches: fastrl._op_args)."""
     N = tokens.numel()
@@ -314,7 +319,7 @@ def linear_token_stats(
 def _(hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk,
       temperature_rows=None, source=""):  # fmt: skip
     N = tokens.numel()
-    return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(3))
+    return tuple(hidden.new_empty(N, dtype=torch.float32) for _ in range(4))
 
 
 @torch.library.custom_op("fastrl::linear_token_stats_backward", mutates_args=())
@@ -325,7 +330,8 @@ def linear_token_stats_backward(
     tokens: Tensor,
     mask: Tensor | None,
     logp: Tensor,
-    lse: Tensor,
+    m: Tensor,
+    log_s: Tensor,
     entropy: Tensor,
     grad_logp: Tensor,
     grad_entropy: Tensor | None,
@@ -343,14 +349,14 @@ def linear_token_stats_backward(
     h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
     tau = temperature if temperature_rows is None else temperature_rows
     dh, dw, db = local_grads(
-        hidden, weight, bias, tokens.reshape(-1), active, logp, lse, entropy,
+        hidden, weight, bias, tokens.reshape(-1), active, logp, m, log_s, entropy,
         grad_logp.reshape(-1).float(), h, tau, logit_scale, softcap, chunk,
     )  # fmt: skip
     return dh, dw, _bias_or_empty(db, weight)
 
 
 @linear_token_stats_backward.register_fake
-def _(hidden, weight, bias, tokens, mask, logp, lse, entropy, grad_logp, grad_entropy,
+def _(hidden, weight, bias, tokens, mask, logp, m, log_s, entropy, grad_logp, grad_entropy,
       temperature, logit_scale, softcap, chunk, temperature_rows=None):  # fmt: skip
     N, H = tokens.numel(), weight.shape[1]
     V = weight.shape[0] if bias is not None else 0
@@ -362,19 +368,19 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, bias, tokens, mask, temperature, logit_scale, softcap, chunk, tau_rows, _ = (
         inputs
     )
-    logp, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, lse, entropy, tau_rows)
+    logp, entropy, m, log_s = output
+    ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, m, log_s, entropy, tau_rows)
     ctx.args = (temperature, logit_scale, softcap, chunk)
     ctx.has_bias = bias is not None
     ctx.hidden_shape = hidden.shape
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(m, log_s)
 
 
-def _backward(ctx, grad_logp, grad_entropy, grad_lse):
+def _backward(ctx, grad_logp, grad_entropy, grad_m, grad_log_s):
     ops.refuse_double_backward("linear_logprobs")
-    hidden, weight, bias, tokens, mask, logp, lse, entropy, tau_rows = ctx.saved_tensors
+    hidden, weight, bias, tokens, mask, logp, m, log_s, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
-        grad_logp = torch.zeros_like(lse)
+        grad_logp = torch.zeros_like(logp)
     kind = hidden.device.type  # (no autocast on `meta`: torch.autocast("meta") raises)
     off = torch.autocast(kind, enabled=False) if ops.has_autocast(kind) else None
     with off or contextlib.nullcontext():  # the forward's dtype, as is
@@ -385,7 +391,8 @@ def _backward(ctx, grad_logp, grad_entropy, grad_lse):
             tokens,
             mask,
             logp,
-            lse,
+            m,
+            log_s,
             entropy,
             grad_logp,
             grad_entropy,
@@ -424,10 +431,10 @@ def _linear_policy_grad(hidden, weight, bias, *args):
     if not is_token_separable(x.config):  # statistics of every row first (four GEMMs per chunk)
         y = tokens.reshape(-1)
         local = local_stats(hidden, weight, bias, y, active, tau, logit_scale, softcap, chunk)
-        logp, entropy, lse = scatter_rows(local, active, N)
+        logp, entropy, m, log_s = scatter_rows(local, active, N)
         g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
         dh, dw, db = local_grads(
-            hidden, weight, bias, y, active, logp, lse, entropy, g.reshape(-1).float(),
+            hidden, weight, bias, y, active, logp, m, log_s, entropy, g.reshape(-1).float(),
             None if h is None else h.reshape(-1).float(), tau, logit_scale, softcap, chunk,
         )  # fmt: skip
         dw, db = dw.to(weight.dtype), _bias_or_empty(db, weight)

@@ -151,7 +151,9 @@ def group_advantages(
     zeros, see `whiten`). `mask` is read only by reinforce++ (a ValueError for grpo / rloo, which
     would ignore it); `eps` >= 0. Groups of one and groups whose rewards are all equal give
     exactly 0. Computed in float64, scale-safe (σ from values divided by their group's max
-    |R - μ_g| before squaring: ±1e200 in fp64 works). Returns fp32.
+    |R - μ_g| before squaring: ±1e200 in fp64 works). Returns fp32. A NaN or ±inf reward is
+    a ValueError (it would make its group's mean and σ NaN); `check=False` skips that check (a
+    host read on an accelerator) and such a group's advantages are then NaN.
 
     Packed sequences: with `cu_seqlens` (B + 1,) (the B responses laid end to end as N rows, see
     fastrl.packing) the result is per row, (N,): each response's advantage repeated over its
@@ -277,7 +279,9 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
 
 
 def dynamic_sampling_filter(rewards: Tensor, group_size: int) -> Tensor:
-    """Indices (K,) int64 of the groups whose rewards are not all equal (SPEC 9). rewards (B,)."""
+    """Indices (K,) int64 of the groups whose rewards are not all equal (SPEC 9). rewards (B,),
+    B a multiple of `group_size`; a NaN or ±inf reward is a ValueError (no group can be told
+    equal or not then)."""
     check_float("rewards", rewards, "shape (B,)")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape (B,), got {tuple(rewards.shape)}")

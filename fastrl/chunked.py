@@ -8,9 +8,12 @@ buffers per worker thread: `_threads`) and it never makes an fp32 copy of all th
 
 The backend interface (the same names as the Triton launchers in fastrl/kernels/policy_loss.py;
 `fastrl.ops.backend(device)` picks one of the two modules):
-  row_stats(logits, tokens, tau)              -> fp32 (B, T) logp, H, lse     (one exp per logit)
-                                              (tau: a float, or a (B, T) per-row tensor)
-  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out)   SPEC 6's dL/dz into `out`
+  row_stats(logits, tokens, tau, shift=False) -> fp32 (B, T) logp, H, lse     (one exp per logit)
+                                              (tau: a float, or a (B, T) per-row tensor; with
+                                              `shift`, also (m, log s): lse = m + log s)
+  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out, shifted=None)
+                                              SPEC 6's dL/dz into `out`, p_j from lse or, given
+                                              `shifted` = (m, log s), exactly at any offset
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
   stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
                                               statistics, then (g, h), then dL/dz into `out`: here
@@ -208,13 +211,15 @@ def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
     return x[idx // T, idx % T]  # (R, V) copy in x's dtype: chunk-sized
 
 
-def row_stats(logits: Tensor, tokens: Tensor, temperature):
+def row_stats(logits: Tensor, tokens: Tensor, temperature, *, shift: bool = False):
     """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
     (one exp per logit; H from max-shifted values); temperature a float or a (B, T) tensor of
     per-row temperatures. Out-of-range tokens give logp = NaN (no device-side assert); a NaN or
-    +inf logit makes its row's logp, H and lse NaN."""
-    logp, entropy, _, lse = stats_e(logits, tokens, temperature, None)
-    return logp, entropy, lse
+    +inf logit makes its row's logp, H and lse NaN. With `shift`, returns (logp, entropy, lse,
+    (m, log s)): m = max_j z'_j and log s = log sum_j exp(z'_j - m), fp32 (B, T) each, for
+    `row_grad_`'s exact p_j (as kernels/policy_loss.py's row_stats)."""
+    logp, entropy, log_s, lse, m = stats_e(logits, tokens, temperature, None, with_max=True)
+    return (logp, entropy, lse, (m, log_s)) if shift else (logp, entropy, lse)
 
 
 def row_temperature(temperature, N: int):
@@ -245,10 +250,17 @@ def _scaled(rows: Tensor, temperature) -> Tensor:
     return rows.float() * inv_tau(temperature)
 
 
-def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out):
+def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted=None):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk, from the (B, T) statistics of
     `row_stats` (logp, lse, entropy) and g, h; `out` may be `logits` itself; temperature a float
     or a (B, T) tensor of per-row temperatures (those of the statistics).
+
+    shifted: None, or `row_stats(shift=True)`'s (m, log s) (then `lse` is not read and may be
+    None): p_j = exp(z'_j - m) / s, with the row max formed again from the logits exactly as the
+    statistics formed it (`finish_`), so p_j is exact at any offset of the logits, where
+    exp(z'_j - lse) carries lse's rounding at its own scale, eps |lse|, into every p_j. log s may
+    also be any log-mass relative to the row's own max (the vocab-parallel shards pass the whole
+    row's lse - m_r).
 
     The same finishing pass as the fused losses (`_chunk_finish_`, one implementation of the
     gradient): per chunk e = exp(z' - lse) = p in cache-sized blocks (written where the chunk's
@@ -257,6 +269,9 @@ def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out):
     h p_y (logp_y + H)], from the statistics' logp_y = (z'_y - m) - log s (not z'_y - lse,
     whose rounding at |lse|'s scale would land in 1 - p_y: kernels/policy_loss.py,
     `_row_grad_store`)."""
+    if shifted is not None:
+        h = None if h is None else h.float()
+        return finish_(out, tokens, logp, entropy, shifted[1], g.float(), h, temperature, logits)
     B, T, V = logits.shape
     y_all = tokens.reshape(-1).long()
     logp_all, lse, entropy = logp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
@@ -481,15 +496,16 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
     return e
 
 
-def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None):
+def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None, with_max=False):
     """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
-    time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`); temperature a float or a
-    (B, T) tensor of per-row temperatures. With `out` (B, T, V), e is also written there (`out`
-    may be the logits' own storage: each chunk is read first). Only an fp32 `out` keeps e
-    exactly: `keeps_e(out)`; the caller passes no other."""
+    time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`), and with `with_max` the row
+    max m of z' (lse = m + log s); temperature a float or a (B, T) tensor of per-row
+    temperatures. With `out` (B, T, V), e is also written there (`out` may be the logits' own
+    storage: each chunk is read first). Only an fp32 `out` keeps e exactly: `keeps_e(out)`; the
+    caller passes no other."""
     B, T, V = logits.shape
     N = B * T
-    stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(4)]
+    stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(5)]
     y_all = tokens.reshape(-1).long()
     tau_all = row_temperature(temperature, N)
 
@@ -498,13 +514,13 @@ def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None):
         logp, ent, log_s, m = _chunk_stats(
             _rows(logits, r0, r1), y_all[r0:r1], _chunk_tau(tau_all, r0, r1), work, e
         )
-        for dst, val in zip(stats, (logp, ent, log_s, m + log_s)):
+        for dst, val in zip(stats, (logp, ent, log_s, m + log_s, m)):
             dst[r0:r1] = val
         if out is not None:
             _store_rows(out, r0, r1, e)
 
     for_chunks(N, V, logits.device, body)
-    return tuple(s.view(B, T) for s in stats)
+    return tuple(s.view(B, T) for s in stats[: 5 if with_max else 4])
 
 
 def keeps_e(out: Tensor) -> bool:

@@ -38,6 +38,9 @@ FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 # exp2, so that product must be finite there: 2 / FP32_MAX = 5.88e-39 (at 1 / FP32_MAX, the
 # floor until 2026-11-27, it was inf and every row NaN).
 TAU_MIN = 2.0 / FP32_MAX
+# its text in error messages, formed once: an f-string with a format spec, formed on every call,
+# is what torch.compile(fullgraph=True, dynamic=True) cannot trace ("BUILD_STRING type error")
+TAU_MIN_TEXT = f"{TAU_MIN:.3g}"
 
 
 class LossConfigError(ValueError):
@@ -132,8 +135,9 @@ class LossConfig:
     """c_H, the weight of the entropy bonus: the loss gets -c_H * H_t per token. >= 0."""
 
     temperature: float = 1.0
-    """tau: logits are divided by it before the softmax. Must be finite and > 0; use the
-    sampler's temperature so that training log-probs match the rollout's."""
+    """tau: logits are divided by it before the softmax. Must be finite and >= 5.88e-39
+    (TAU_MIN: 1 / tau times log2 e finite in fp32); use the sampler's temperature so that
+    training log-probs match the rollout's."""
 
     agg: str = "token-mean"
     """How per-token losses become one scalar (SPEC 5): `token-mean`, `seq-mean-token-mean`,
@@ -216,7 +220,7 @@ class LossConfig:
         real("entropy_coef", "a finite number >= 0", lambda v: v >= 0.0)
         real(
             "temperature",
-            f"a finite number >= {TAU_MIN:.3g} (1 / temperature · log2 e finite in fp32)",
+            "a finite number >= " + TAU_MIN_TEXT + " (1 / temperature · log2 e finite in fp32)",
             lambda v: v >= TAU_MIN,
         )
         real("num_tokens", "None or a finite number > 0", lambda v: v > 0, optional=True)

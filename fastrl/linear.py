@@ -25,7 +25,7 @@ GEMM); dW and db are accumulated across chunks in fp32 and cast once.
 Layout: this module holds the public functions and their input checks; the chunk loops and the
 torch.library custom ops are in `fastrl._linear_ops`; `group=` (or a DTensor weight sharded
 along the vocabulary) runs `fastrl.vocab_parallel`: each rank's shard of the vocabulary rows,
-merged per row by one all-gather of three fp32 (logp_r, H_r, lse_r).
+merged per row by one all-gather of four fp32 (logp_r, H_r, and the shard's max m_r and log s_r).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from ._linear_ops import (  # noqa: F401 (re-exported: the ops' historical home)
 )
 from .config import LossConfig
 from .packing import check_cu_seqlens, packing_for_rows
-from .terms import PolicyLossOutput
+from .terms import PolicyLossOutput, output_of_logprobs
 
 __all__ = ["fused_linear_policy_loss", "linear_logprobs"]
 
@@ -181,10 +181,10 @@ def linear_logprobs(
     a DTensor sharded along dim 0 on a 1-D DeviceMesh): weight (V_r, H) and bias (V_r,) are this
     rank's contiguous shard of the vocabulary rows, in rank order (uneven shards allowed);
     hidden, tokens (global ids in [0, V)) and mask are the same on every rank. Each shard's
-    per-row (logp_r, H_r, lse_r) are merged by one all-gather of 3 fp32 per row (12 B sent,
-    12 P B received per counted row; forward); the backward keeps dW_r and db_r local and
+    per-row (logp_r, H_r, m_r, log s_r) are merged by one all-gather of 4 fp32 per row (16 B
+    sent, 16 P B received per counted row; forward); the backward keeps dW_r and db_r local and
     all-reduces dX (N x H in hidden's dtype). Memory: the single-device op's on V_r columns plus
-    (P, R, 3) fp32. Runs eagerly (torch.compile graph-breaks around it); see
+    (P, R, 4) fp32. Runs eagerly (torch.compile graph-breaks around it); see
     `fastrl.vocab_parallel`.
 
     Packed sequences (`cu_seqlens` (S + 1,) with (N, H) hidden) are accepted and checked; rows
@@ -207,7 +207,7 @@ def linear_logprobs(
     if mask is not None:
         mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device, as_float=False)
     with autocast_off:
-        logp, ent, _ = linear_token_stats(
+        logp, ent, *_ = linear_token_stats(
             hidden, weight, bias, tokens, mask, temperature, float(logit_scale),
             None if softcap is None else float(softcap),
             chunk_size or default_chunk(V, hidden.device), tau_rows, ops.SOURCE_KEY,
@@ -297,22 +297,26 @@ def fused_linear_policy_loss(
     bias (V,) or None; tokens, advantages, old / ref / rollout log-probs, mask, config and
     packed sequences (`cu_seqlens`, `max_seqlen` with (N, H) hidden) exactly as in
     `policy_loss`, the `temperature` override included (a float, or a tensor of per-token
-    tau_t as in `policy_loss`); logit_scale / softcap as in `linear_logprobs`. Rows with mask == 0
-    do no GEMM
-    work (their logp / entropy are reported as 0). With a token-separable config the
+    tau_t as in `policy_loss`); logit_scale / softcap / chunk_size as in `linear_logprobs` (rows
+    per GEMM: a few (chunk_size, V) buffers live at once). Rows with mask == 0 do no GEMM work
+    (their logp / entropy are reported as 0). With a token-separable config the
     gradient is computed in the forward: per chunk of rows one logits GEMM, the loss statistics
     and dL/dz (fastrl.ops.stats_and_grad_), then dX = dz W and dW += dz^T X (three GEMMs, no
     recompute); the backward scales those gradients by the upstream gradient (no pass when it is 1).
-    Sequence-level options (GSPO ratio, sequence IS weights) take two phases (four GEMMs).
+    Sequence-level options (GSPO ratio, sequence IS weights) take two phases (four GEMMs). In
+    fp16 (hidden states, or torch.autocast's dtype) the gradient waits for the backward
+    (`linear_logprobs`' backward: the logits GEMM again, four GEMMs), so that a loss scale
+    (torch.amp.GradScaler) reaches dz before fp16 would flush its small entries to 0, as in
+    eager code (see `fastrl.policy_loss`).
     Returns the same PolicyLossOutput as `policy_loss` (loss differentiable w.r.t. hidden,
     weight and bias).
 
     Vocab-parallel (`group`, or a DTensor weight), as in `linear_logprobs`: weight / bias are
     this rank's shard, every per-token input is replicated, and loss, logp, H and metrics are the
-    same on every rank. Per chunk of counted rows one all-gather of 3 fp32 per row (12 B sent,
-    12 P B received) merges the shards' statistics before g, h and dz (sequence-level options:
+    same on every rank. Per chunk of counted rows one all-gather of 4 fp32 per row (16 B sent,
+    16 P B received) merges the shards' statistics before g, h and dz (sequence-level options:
     one all-gather for all rows, then the gradient pass); dW_r, db_r stay local and dX (N x H,
-    hidden's dtype) is all-reduced once, in the forward."""
+    hidden's dtype) is all-reduced once, in the forward (fp16: in the backward, as above)."""
     chunk_size = check_int("chunk_size", chunk_size, optional=True)  # numpy's integers too
     if group is not None or vocab_parallel.is_dtensor(weight) or vocab_parallel.is_dtensor(bias):
         return _fused_linear_policy_loss_vp(
@@ -332,6 +336,16 @@ def fused_linear_policy_loss(
     chunk = chunk_size or default_chunk(V, hidden.device)
     params = [t for t in (hidden, weight, bias) if t is not None]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    if wants_grad and hidden.dtype == torch.float16:  # the gradient after the loss scale
+        with autocast_off:
+            logp, entropy, *_ = linear_token_stats(
+                hidden, weight, bias, x.tokens.reshape(-1), None if mask is None else
+                x.mask.reshape(-1), x.config.temperature, scale, cap, chunk,
+                None if x.temperature_rows is None else x.temperature_rows.reshape(-1),
+                ops.SOURCE_KEY,
+            )  # fmt: skip
+            shape = x.tokens.shape
+            return output_of_logprobs(logp.view(shape), entropy.view(shape), x)
     with autocast_off:
         out, grads = _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap,
                                             chunk, wants_grad, all_rows=mask is None)  # fmt: skip
@@ -360,7 +374,7 @@ def _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap, c
     else:
         flat_tokens = x.tokens.reshape(-1)
         tau_rows = None if x.temperature_rows is None else x.temperature_rows.reshape(-1)
-        logp, entropy, _ = linear_token_stats(
+        logp, entropy, *_ = linear_token_stats(
             hidden, weight, bias, flat_tokens, None if all_rows else x.mask.reshape(-1),
             x.config.temperature, scale,
             cap, chunk, tau_rows, ops.SOURCE_KEY,
@@ -397,6 +411,14 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
         group, shard, check, weight, tokens, chunk_size, hidden, wants_grad
     )
     cap = None if softcap is None else float(softcap)
+    if wants_grad and hidden.dtype == torch.float16:  # the gradient after the loss scale
+        tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows
+        with autocast_off:
+            logp, entropy = vocab_parallel.linear_logprobs(
+                hidden, weight, bias, x.tokens, tau if isinstance(tau, float) else
+                tau.reshape(-1), float(logit_scale), cap, plan,
+            )  # fmt: skip
+            return output_of_logprobs(logp, entropy, x)
     with autocast_off, torch.no_grad():
         logp, entropy, grads = vocab_parallel.policy_grads(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), x,

@@ -32,7 +32,7 @@ from ._inputs import (
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
 from .packing import check_cu_seqlens, packing_for_rows
-from .terms import PolicyLossOutput, policy_output, policy_terms
+from .terms import PolicyLossOutput, output_of_logprobs, policy_terms
 from .value import value_loss
 
 __all__ = [
@@ -100,6 +100,12 @@ def policy_loss(
     h = dloss/dH, written in the forward (one pass over the logits on the CPU, a statistics and a
     gradient sweep on the GPU; the backward only scales it
     by the upstream gradient, with no pass at all when that is 1).
+    fp16 logits: the gradient is written in the backward instead (`fastrl.logprobs`' backward,
+    a second pass over the logits), once the upstream gradient is known: a loss scale
+    (torch.amp.GradScaler) then lifts its small entries, p_j g / tau ~ 1e-8 and below, above
+    fp16's underflow, as it does for eager code. Formed in the forward and stored in fp16 they
+    were flushed to 0 before any scale could reach them (91 % of the entries at V = 4096 with a
+    global token count of 16384). bf16 has fp32's range and keeps the one-pass path.
 
     Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like
     tokens, fp32, detached), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
@@ -129,7 +135,8 @@ def policy_loss(
     logits)` or `logits.retain_grad()` need inplace=False. A second inplace loss on another
     slice of the same base turns the first to autograd's copying form (gradients exact); a
     third raises autograd's "modified by an inplace operation" (use inplace=False for it);
-    under torch.compile the slice's own path is taken.
+    under torch.compile, and for fp16 logits (gradient in the backward), the slice's own path
+    is taken.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
 
     Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with
@@ -153,6 +160,12 @@ def policy_loss(
     if torch.is_grad_enabled() and x.logits.requires_grad:
         if inplace:
             _check_inplace(logits)
+        if x.logits.dtype == torch.float16:  # the gradient in the backward, after the loss scale
+            logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature, inplace)
+            out = output_of_logprobs(logp, entropy, x)
+            if check_finite:
+                _check_finite(out.loss, x.unflatten(logp.detach()), x.unflatten(x.mask))
+            return out
         weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
         logp, entropy, grad = _policy_grad(x, inplace, weights)
         with torch.no_grad():
@@ -216,15 +229,7 @@ def policy_loss_from_logprobs(
         )
     lp = logp.float().reshape(x.mask.shape)
     ent = torch.zeros_like(lp) if entropy is None else entropy.float().reshape(x.mask.shape)
-    # What the mask excludes never reaches the loss or its gradient: at a masked token the
-    # per-token math gets a detached copy of the caller's logp (and entropy). The loss never
-    # reads it there (every sum is masked), but a NaN / -inf value gives an inf in exp's or a
-    # product's backward, and 0 * inf = NaN would reach the caller's logp (and through its
-    # backward the model's weights); a detached branch hands nothing back. Same values: the
-    # outputs (logp, entropy, kl) are those of `policy_loss` on the same log-probs.
-    counted = x.mask > 0
-    lp, ent = (torch.where(counted, t, t.detach()) for t in (lp, ent))
-    return policy_output(lp, ent, x)
+    return output_of_logprobs(lp, ent, x)  # (masked tokens cut from the graph)
 
 
 def _policy_grad(x, inplace: bool, weights):

@@ -23,8 +23,8 @@ Two ways through the (B, T, V) logits, both reading them once per use:
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
   fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None)
-      -> (logp, entropy, lse)  # (B, T)
-  fastrl::token_stats_grad(logits, tokens, logp, lse, entropy, g, h, temperature,
+      -> (logp, entropy, m, log_s)  # (B, T); m = max_j z'_j, log s = lse - m (for the backward)
+  fastrl::token_stats_grad(logits, tokens, logp, m, log_s, entropy, g, h, temperature,
       temperature_rows=None) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)
   fastrl::policy_loss_grad(logits, tokens, <per-token inputs>, config) -> (logp, H, grad)
@@ -120,43 +120,51 @@ def temperature_arg(temperature, temperature_rows: Tensor | None = None):
 
 
 def _row_stats(logits: Tensor, tokens: Tensor, temperature, temperature_rows=None):
-    """(logp, entropy, lse), each fp32 (B, T), of logits (B, T, V) and tokens (B, T).
+    """(logp, entropy, m, log_s), each fp32 (B, T), of logits (B, T, V) and tokens (B, T):
+    m = max_j z'_j and log s = log sum_j exp(z'_j - m) (lse = m + log s), what `_row_grad_`
+    needs for p_j = exp((z'_j - m) - log s), exact at any offset of the logits (exp(z'_j - lse)
+    would carry lse's rounding at its own scale, eps |lse|, into every p_j).
     temperature: a float, or a (B, T) tensor of per-row temperatures (as is `temperature_rows`,
     which replaces it when given)."""
     _check_v_contiguous(logits)
     tau = temperature_arg(temperature, temperature_rows)
-    return backend(logits.device).row_stats(logits, tokens, tau)
+    logp, entropy, lse, shifted = backend(logits.device).row_stats(logits, tokens, tau, shift=True)
+    m, log_s = (lse, lse.clone()) if shifted is None else shifted  # (None: no rows)
+    return logp, entropy, m, log_s
 
 
 def _row_grad_(
-    logits, tokens, logp, lse, entropy, g, h, temperature, out: Tensor, temperature_rows=None
+    logits, tokens, logp, m, log_s, entropy, g, h, temperature, out: Tensor, temperature_rows=None
 ) -> Tensor:
     """SPEC 6's dL/dz of logits (B, T, V) written into `out` (may be `logits`) from the (B, T)
-    statistics of `_row_stats` (logp, lse, entropy) and g, h (h None: 0); temperature as in
+    statistics of `_row_stats` (logp, m, log_s, entropy) and g, h (h None: 0); temperature as in
     `_row_stats`."""
     tau = temperature_arg(temperature, temperature_rows)
-    return backend(logits.device).row_grad_(logits, tokens, logp, lse, entropy, g, h, tau, out)
+    return backend(logits.device).row_grad_(
+        logits, tokens, logp, None, entropy, g, h, tau, out, (m, log_s)
+    )
 
 
 def _define_grad_op(inplace: bool):
     """fastrl::token_stats_grad -> dL/dz (B, T, V) in the logits' dtype, contiguous, or
     (`inplace`) fastrl::token_stats_grad_, which overwrites `logits` with it: SPEC 6 from the
-    row statistics (logp, lse, entropy) and g = grad_logp, h = grad_entropy (None: h = 0), all
-    (B, T); temperature_rows (B, T) fp32, when given, is each row's own tau (replacing
+    row statistics (logp, m, log_s, entropy) and g = grad_logp, h = grad_entropy (None: h = 0),
+    all (B, T); temperature_rows (B, T) fp32, when given, is each row's own tau (replacing
     `temperature`)."""
     name = "fastrl::token_stats_grad" + ("_" if inplace else "")
     logits_arg = "Tensor(a!) logits" if inplace else "Tensor logits"
     args = (
-        "Tensor tokens, Tensor logp, Tensor lse, Tensor entropy, Tensor g, Tensor? h, "
+        "Tensor tokens, Tensor logp, Tensor m, Tensor log_s, Tensor entropy, Tensor g, Tensor? h, "
         "float temperature, Tensor? temperature_rows=None"
     )
     torch.library.define(name, f"({logits_arg}, {args}) -> {'()' if inplace else 'Tensor'}")
 
     @torch.library.impl(name, "default")
-    def impl(logits, tokens, logp, lse, entropy, g, h, temperature, temperature_rows=None):
+    def impl(logits, tokens, logp, m, log_s, entropy, g, h, temperature, temperature_rows=None):
         _check_v_contiguous(logits)
         out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        _row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, temperature_rows)
+        stats = (logp, m, log_s, entropy, g, h)
+        _row_grad_(logits, tokens, *stats, temperature, out, temperature_rows)
         return None if inplace else out
 
     @torch.library.register_fake(name)
@@ -179,8 +187,9 @@ def _token_logprobs_op(
     inplace: bool,
     temperature_rows: Tensor | None = None,
     source: str = "",
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse) fp32 (B, T) of logits (B, T, V); `inplace` is read by the backward
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, m, log_s) fp32 (B, T) of logits (B, T, V) (`_row_stats`: m and log s
+    are for the backward); `inplace` is read by the backward
     only (the gradient overwrites the logits). temperature_rows: None, or fp32 (B, T) per-row
     temperatures replacing `temperature` (a constant: no gradient). source: SOURCE_KEY, unused
     here (it keys torch.compile's caches to this version of the backward: _op_args)."""
@@ -190,16 +199,16 @@ def _token_logprobs_op(
 @_token_logprobs_op.register_fake
 def _(logits, tokens, temperature, inplace, temperature_rows=None, source=""):
     B, T, _ = logits.shape
-    return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(3))
+    return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(4))
 
 
 def _setup_context(ctx, inputs, output):
     logits, tokens, temperature, inplace, temperature_rows, _ = inputs
-    logp, entropy, lse = output
-    ctx.save_for_backward(logits, tokens, logp, lse, entropy, temperature_rows)
+    logp, entropy, m, log_s = output
+    ctx.save_for_backward(logits, tokens, logp, m, log_s, entropy, temperature_rows)
     ctx.temperature = temperature
     ctx.inplace = inplace
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(m, log_s)
 
 
 def has_autocast(kind: str) -> bool:
@@ -223,12 +232,13 @@ def refuse_double_backward(op: str) -> None:
         )
 
 
-def _backward(ctx, grad_logp, grad_entropy, grad_lse):
+def _backward(ctx, grad_logp, grad_entropy, grad_m, grad_log_s):
     refuse_double_backward("logprobs")
-    logits, tokens, logp, lse, entropy, tau_rows = ctx.saved_tensors
+    logits, tokens, logp, m, log_s, entropy, tau_rows = ctx.saved_tensors
     if grad_logp is None:
-        grad_logp = torch.zeros_like(lse)
-    args = (logits, tokens, logp, lse, entropy, grad_logp, grad_entropy, ctx.temperature, tau_rows)
+        grad_logp = torch.zeros_like(logp)
+    args = (logits, tokens, logp, m, log_s, entropy, grad_logp, grad_entropy, ctx.temperature,
+            tau_rows)  # fmt: skip
     if ctx.inplace:
         token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)
@@ -255,9 +265,9 @@ def token_logprobs(
     if isinstance(temperature, Tensor):  # (B, T) per token, or () for all
         rows = temperature.detach().float()
         rows = rows.expand(tokens.shape) if rows.dim() == 0 else rows.reshape(tokens.shape)
-        logp, entropy, _ = _token_logprobs_op(logits, tokens, 1.0, bool(inplace), rows, SOURCE_KEY)
+        logp, entropy, *_ = _token_logprobs_op(logits, tokens, 1.0, bool(inplace), rows, SOURCE_KEY)
     else:
-        logp, entropy, _ = _token_logprobs_op(
+        logp, entropy, *_ = _token_logprobs_op(
             logits, tokens, float(temperature), bool(inplace), None, SOURCE_KEY
         )
     return logp, entropy

@@ -500,6 +500,21 @@ def _terms_and_metrics(logp: Tensor, entropy: Tensor, x: PolicyInputs):
     return loss, t.kl.detach(), t.ratio.detach(), metrics
 
 
+def output_of_logprobs(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> PolicyLossOutput:
+    """`policy_output` of differentiable per-token (logp, H) (fp32, x's (B, T) layout): the loss
+    differentiable w.r.t. them, its gradient left to their backward.
+
+    What the mask excludes never reaches the loss or its gradient: at a masked token the
+    per-token math gets a detached copy of logp (and H). The loss never reads it there (every
+    sum is masked), but a NaN / -inf value gives an inf in exp's or a product's backward, and
+    0 * inf = NaN would reach the caller's logp (and through its backward the model's weights);
+    a detached branch hands nothing back. Same values: the outputs (logp, entropy, kl) are
+    those of the fused losses on the same log-probs."""
+    counted = x.mask > 0
+    lp, ent = (torch.where(counted, t, t.detach()) for t in (logp, entropy))
+    return policy_output(lp, ent, x)
+
+
 def policy_output(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> PolicyLossOutput:
     """`policy_terms`, packed as the PolicyLossOutput both policy losses return (per-token
     tensors back in the caller's layout)."""

@@ -10,21 +10,24 @@ shard, the mesh's group, its mesh coordinate as the shard index).
 
 Math, per row (z' the row's logits over the whole vocabulary, split in the P shards):
 each rank computes, over its own columns only, exactly what the single-device op computes over
-all of them, (logp_r, H_r, lse_r) = (z'_y - lse_r, -sum p^r log p^r, logsumexp z'^r) with
-p^r = softmax of the shard's logits (logp_r only means something on the rank that owns y). Then
+all of them, (logp_r, H_r, m_r, log s_r) = (z'_y - lse_r, -sum p^r log p^r, max z'^r,
+log sum exp(z'^r - m_r)) with p^r = softmax of the shard's logits and lse_r = m_r + log s_r
+(logp_r only means something on the rank that owns y). Then, with M = max_r m_r (over the shards
+with mass) and a_r = (m_r - M) + log s_r, the log of shard r's mass relative to e^M,
 
-    d_r  = lse_r - lse_own,   L = logsumexp_r d_r = lse - lse_own   (own: the rank holding y)
-    pi_r = exp(d_r - L)                                      (the shards' probability mass)
-    H    = sum_r pi_r (H_r + L - d_r)                        (mixture entropy: no cancellation)
-    logp = logp_own - L,   lse = lse_own + L
+    log S = logsumexp_r a_r   (lse = M + log S),        pi_r = exp(a_r - log S)
+    H     = sum_r pi_r (H_r + log S - a_r)               (mixture entropy: no cancellation)
+    logp  = logp_own - (log S - a_own)                   (own: the rank holding y)
 
-Everything is taken in differences from lse_own (never lse - lse_own of two rounded lse, which
-would carry eps |lse| into logp and all of it into the gradient's 1 - p_y in a peaked row: SPEC 6
-Numerics). So ONE collective per row merges them: an all-gather of the three fp32 (logp_r, H_r,
-lse_r), 12 B sent per row per rank, 12 P B received and held (a (P, R, 3) fp32 buffer), merged
-identically on every rank (same numbers everywhere, no separate max all-reduce, no overflow for any
-offset: the merge is in log space). The backward on this shard's columns needs only the global lse
-and H (SPEC 6 with p_j = exp(z'_j - lse)): dz_r = (1/tau)[g (1[j = y] - p_j) - h p_j (log p_j + H)]
+Nothing here is a difference of two values rounded at lse's own scale (m_r - M is exact where it
+matters, log s_r and log S are O(log V)): such a difference would carry eps |lse| into logp and
+from it into the gradient's 1 - p_y in a peaked row (SPEC 6 Numerics). So ONE collective per row
+merges them: an all-gather of the four fp32 (logp_r, H_r, m_r, log s_r), 16 B sent per row per
+rank, 16 P B received and held (a (P, 4, R) fp32 buffer), merged identically on every rank (same
+numbers everywhere, no separate max all-reduce, no overflow for any offset: the merge is in log
+space). The backward on this shard's columns is SPEC 6 with p_j = exp((z'_j - m_r) - (lse - m_r)),
+lse - m_r = log S + (M - m_r) (exact at any offset of the logits, as on one device):
+dz_r = (1/tau)[g (1[j = y] - p_j) - h p_j (log p_j + H)]
 (tau: the float, or the row's own tau_t with a per-token temperature, replicated like the other
 per-token inputs), where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r stay
 local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
@@ -33,13 +36,13 @@ Collectives per call: one all-gather of 13 int64 per rank (an input-check flag, 
 the shard size, N, the counted rows, the chunk size, the token min and max, 2 for the
 temperature's fingerprint, hidden's width H and dtype, and whether a gradient is wanted: the one
 host read of the call) that checks the inputs are replicated (so that every rank takes the same
-collectives) and gives the offsets; then `linear_logprobs`: forward one all-gather of (R, 3)
+collectives) and gives the offsets; then `linear_logprobs`: forward one all-gather of (4, R)
 fp32 (R = rows whose mask is not 0), backward one all-reduce of dX (N, H);
-`fused_linear_policy_loss` with a token-separable config: one (chunk, 3) all-gather per chunk of
+`fused_linear_policy_loss` with a token-separable config: one (4, chunk) all-gather per chunk of
 rows (three GEMMs per chunk, the gradient in the forward) and the dX all-reduce; sequence-level
-options: one (R, 3) all-gather, then the gradient pass (four GEMMs per chunk) and the dX
+options: one (4, R) all-gather, then the gradient pass (four GEMMs per chunk) and the dX
 all-reduce. Memory per rank: the single-device op's on V_r columns (a few (chunk, V_r) buffers)
-plus (P, chunk, 3) fp32. The chunk size is the same on every rank (`default_chunk` of the widest
+plus (P, 4, chunk) fp32. The chunk size is the same on every rank (`default_chunk` of the widest
 shard, or chunk_size).
 
 This path runs eagerly, outside the custom ops (a process group is no op argument):
@@ -131,6 +134,10 @@ def resolve(weight, bias, group):
     if not dist.is_initialized():
         raise ValueError("group= is given but torch.distributed is not initialized")
     return weight, bias, group, dist.get_rank(group)
+
+
+PLAN_INTS = 13  # int64 per rank in the plan's all-gather (`plan`)
+MERGE_FLOATS = 4  # fp32 per counted row per rank in a merge's all-gather (`merge`)
 
 
 @dataclass
@@ -247,39 +254,45 @@ def plan(
 
 # --------------------------------------------------------------------------- merge
 def _empty_shard_stats(R: int, device) -> Tensor:
-    """(logp, H, lse) of a shard with no columns: lse = -inf (no mass), H = 0."""
-    out = torch.zeros(3, R, dtype=torch.float32, device=device)
-    out[2] = float("-inf")
+    """(logp, H, m, log s) of a shard with no columns: log s = -inf (no mass), H = m = 0."""
+    out = torch.zeros(4, R, dtype=torch.float32, device=device)
+    out[3] = float("-inf")
     return out
 
 
-def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
-    """The whole row's (logp, H, lse), fp32 (R,) each, from this shard's (3, R) (logp_r, H_r,
-    lse_r): one all-gather (12 B per row per rank), then the log-space merge of the module
-    docstring, the same on every rank."""
+def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The whole row's (logp, H), fp32 (R,) each, and this rank's (m_r, lse - m_r) for its
+    backward (`local_grads`' m and log s: p_j = exp((z'_j - m_r) - (lse - m_r)), exact at any
+    offset), from this shard's (4, R) (logp_r, H_r, m_r, log s_r): one all-gather (16 B per row
+    per rank), then the log-space merge of the module docstring, the same on every rank."""
     parts = local.new_empty(plan.size, *local.shape)
     dist.all_gather(list(parts.unbind(0)), local.contiguous(), group=plan.group)
-    lp_r, h_r, lse_r = parts.unbind(1)  # (P, R) each
+    lp_r, h_r, m_r, ls_r = parts.unbind(1)  # (P, R) each
+    # a_r = log of shard r's mass relative to e^M, M the largest max among the shards with
+    # mass: (m_r - M) is exact where it matters (the shards near the max), log s_r is O(log V).
+    # A shard with no mass (every logit -inf, or no columns) has a_r = -inf; a NaN logit (NaN
+    # m_r or log s_r) makes the row NaN, as on one device
+    m_mass = torch.where(ls_r == float("-inf"), float("-inf"), m_r)
+    top = m_mass.amax(0, keepdim=True)  # (1, R)
+    top = torch.where(top == float("-inf"), 0.0, top)  # (no mass at all: NaN, as on one device)
+    a = (m_mass - top) + ls_r  # (P, R)
+    log_mass = torch.logsumexp(a, 0)  # log S: lse = M + log S
+    pi = torch.exp(a - log_mass)
+    # a shard with no mass adds 0 (not 0 * inf); a NaN row (NaN pi) stays NaN
+    entropy = torch.where(pi == 0, 0.0, pi * (h_r + (log_mass - a))).sum(0)
     own = plan.owner(y)[None]
-    lse_own = lse_r.gather(0, own)  # (1, R)
-    # in differences from the owner's lse (d_own = 0 exactly): the rounding of lse at its own
-    # scale, eps |lse|, then only enters the other shards' (small, in a peaked row) mass. An
-    # owner with no mass (every logit of its shard -inf, y's too) while others have some: from
-    # the largest lse instead, and logp = -inf, as on one device (-inf - -inf was NaN)
-    lse_max = lse_r.amax(0, keepdim=True)
-    no_mass = (lse_own == float("-inf")) & (lse_max > float("-inf"))
-    base = torch.where(no_mass, lse_max, lse_own)
-    d = lse_r - base  # (P, R)
-    log_mass = torch.logsumexp(d, 0)  # lse - base
-    pi = torch.exp(d - log_mass)
-    # a shard with no mass adds 0 (not 0 * inf); a NaN row (a NaN / inf logit: NaN pi) stays NaN
-    entropy = torch.where(pi == 0, 0.0, pi * (h_r + (log_mass - d))).sum(0)
-    logp = torch.where(no_mass[0], float("-inf"), lp_r.gather(0, own)[0] - log_mass)
-    return logp, entropy, base[0] + log_mass
+    a_own = a.gather(0, own)[0]
+    # logp = (z'_y - M) - log S = logp_own - (log S - a_own); an owner with no mass while others
+    # have some: -inf, as on one device (its logp_own is -inf - -inf there)
+    no_mass = (a_own == float("-inf")) & (log_mass > float("-inf"))
+    logp = torch.where(no_mass, float("-inf"), lp_r.gather(0, own)[0] - (log_mass - a_own))
+    m_me = local[2]  # this rank's m_r: log s for its backward is lse - m_r = log S + (M - m_r)
+    return logp, entropy, m_me, log_mass + (top[0] - m_me)
 
 
 def _stats(hidden, weight, bias, y, tau, scale, cap, plan: Plan):
-    """The merged (logp, H, lse) of the counted rows, fp32 (R,) each (one all-gather)."""
+    """The merged (logp, H) and this rank's (m, log s) of the counted rows, fp32 (R,) each (one
+    all-gather: `merge`)."""
     active = plan.active
     if active.numel() == 0:
         return _empty_shard_stats(0, hidden.device).unbind(0)
@@ -291,15 +304,15 @@ def _stats(hidden, weight, bias, y, tau, scale, cap, plan: Plan):
     return merge(local, y.index_select(0, active), plan)
 
 
-def _grads(hidden, weight, bias, y, logp, lse, entropy, g, h, tau, scale, cap, plan: Plan):
-    """(dX (N, H) summed over the group, dW_r, db_r) from the merged logp, lse, H and g, h
-    (N,)."""
+def _grads(hidden, weight, bias, y, logp, m, log_s, entropy, g, h, tau, scale, cap, plan: Plan):
+    """(dX (N, H) summed over the group, dW_r, db_r) from the merged logp, H, this rank's m and
+    log s (`merge`) and g, h (N,)."""
     if plan.width == 0:
         dh = torch.zeros(y.numel(), weight.shape[1], dtype=hidden.dtype, device=hidden.device)
         dw, db = torch.zeros_like(weight), None if bias is None else torch.zeros_like(bias)
     else:  # y - o_r outside [0, V_r) on the ranks that do not hold y: no entry at y there
-        dh, dw, db = local_grads(hidden, weight, bias, y - plan.offset, plan.active, logp, lse,
-                                 entropy, g, h, tau, scale, cap, plan.chunk)  # fmt: skip
+        dh, dw, db = local_grads(hidden, weight, bias, y - plan.offset, plan.active, logp, m,
+                                 log_s, entropy, g, h, tau, scale, cap, plan.chunk)  # fmt: skip
         dw = dw.to(weight.dtype)
     dist.all_reduce(dh, group=plan.group)
     return dh, dw, db
@@ -311,20 +324,20 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, tokens, args, plan):
         y = tokens.reshape(-1).long()
         local = torch.stack(_stats(hidden, weight, bias, y, *args, plan))
-        logp, entropy, lse = scatter_rows(local, plan.active, y.numel())
-        ctx.save_for_backward(hidden, weight, bias, y, logp, lse, entropy)
+        logp, entropy, m, log_s = scatter_rows(local, plan.active, y.numel())
+        ctx.save_for_backward(hidden, weight, bias, y, logp, m, log_s, entropy)
         ctx.args, ctx.plan = args, plan
         return logp.view(tokens.shape), entropy.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         ops.refuse_double_backward("linear_logprobs")
-        hidden, weight, bias, y, logp, lse, entropy = ctx.saved_tensors
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).float()
+        hidden, weight, bias, y, logp, m, log_s, entropy = ctx.saved_tensors
+        g = torch.zeros_like(logp) if grad_logp is None else grad_logp.reshape(-1).float()
         h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         with torch.autocast(hidden.device.type, enabled=False):
             dh, dw, db = _grads(
-                hidden, weight, bias, y, logp, lse, entropy, g, h, *ctx.args, ctx.plan
+                hidden, weight, bias, y, logp, m, log_s, entropy, g, h, *ctx.args, ctx.plan
             )
         return dh.view(hidden.shape), dw, db, None, None, None
 
@@ -345,14 +358,14 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
     # a float, or the per-row tau as fp32 (N,) (each chunk takes its rows, like the tokens)
     tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows.reshape(N)
     y = x.tokens.reshape(-1).long()
-    if not wants_grad or not is_token_separable(x.config):  # one all-gather of (R, 3)
+    if not wants_grad or not is_token_separable(x.config):  # one all-gather of (4, R)
         local = torch.stack(_stats(hidden, weight, bias, y, tau, scale, cap, plan))
-        logp, entropy, lse = scatter_rows(local, plan.active, N)
+        logp, entropy, m, log_s = scatter_rows(local, plan.active, N)
         if not wants_grad:
             return logp.view(B, T), entropy.view(B, T), None
         g, h = ops.token_grads(logp.view(B, T), entropy.view(B, T), x)
         h = None if h is None else h.reshape(-1).float()
-        grads = _grads(hidden, weight, bias, y, logp, lse, entropy, g.reshape(-1).float(), h,
+        grads = _grads(hidden, weight, bias, y, logp, m, log_s, entropy, g.reshape(-1).float(), h,
                        tau, scale, cap, plan)  # fmt: skip
         return logp.view(B, T), entropy.view(B, T), grads
     logp, entropy = (torch.zeros(N, dtype=torch.float32, device=hidden.device) for _ in "lh")
@@ -373,13 +386,14 @@ def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bo
             local = torch.cat(row_stats(z[None], yc, tau_rows))
         else:
             local = _empty_shard_stats(idx.numel(), hidden.device)
-        lp, ent, lse = merge(local, y.index_select(0, idx), plan)
+        lp, ent, m, log_s = merge(local, y.index_select(0, idx), plan)
         g, h = ops.token_grads(lp[None], ent[None], ops.select_rows(flat, idx),
                                weights.index_select(1, idx))  # fmt: skip
         logp.index_copy_(0, idx, lp)
         entropy.index_copy_(0, idx, ent)
         if plan.width:
-            row_grad_(z[None], y_loc[None], lp[None], lse[None], ent[None], g, h, tau_rows)
+            stats = (t[None] for t in (y_loc, lp, m, log_s, ent))
+            row_grad_(z[None], *stats, g, h, tau_rows)
             grads.add(idx, rows, _to_pre_activation(z, factor, scale), weight)
             del z, factor
     dh, dw, db = grads.result(bias)

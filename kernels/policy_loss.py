@@ -734,7 +734,8 @@ def row_grad_(
     grad_entropy (B, T) (fp32, the last two are g and h; grad_entropy None means h = 0);
     temperature a float tau or a (B, T) tensor of per-row tau_t (the one the statistics were
     computed with); shifted: None (p_j = exp(z'_j - lse)) or row_stats(shift=True)'s (m, log s)
-    (p_j = exp((z'_j - m) - log s): exact at any offset of the logits). Returns `out`."""
+    (p_j = exp((z'_j - m) - log s): exact at any offset of the logits; `lse` is then not read and
+    may be None). Returns `out`."""
     B, T, V = logits.shape
     N = B * T
     if N == 0:
@@ -748,8 +749,8 @@ def row_grad_(
     )  # fmt: skip
     g = grad_logp.float().contiguous()
     h = g if grad_entropy is None else grad_entropy.float().contiguous()
-    lse = lse.contiguous()
     m, log_s = (lse, lse) if shifted is None else (t.contiguous() for t in shifted)
+    lse = m if lse is None else lse.contiguous()  # (with `shifted`: never read)
     cfg(
         logits, tokens, logp.contiguous(), lse, entropy.contiguous(), g, h, out, m, log_s, T, V,
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), inv_temp,

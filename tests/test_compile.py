@@ -190,7 +190,7 @@ def test_custom_ops_registered_with_fake_impls():
     )
     with torch._subclasses.fake_tensor.FakeTensorMode():
         fake = torch.empty(4, 5, 100, dtype=torch.bfloat16)
-        logp, ent, lse = torch.ops.fastrl.token_logprobs(
+        logp, ent, m, log_s = torch.ops.fastrl.token_logprobs(
             fake, torch.zeros(4, 5, dtype=torch.long), 1.0, False
         )
         assert logp.shape == (4, 5) and logp.dtype == torch.float32
@@ -269,6 +269,34 @@ def test_the_lm_head_ops_compile_where_dynamo_cannot_trace_is_autocast_available
         grads.append((loss.detach(), h.grad, w.grad))
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fullgraph_with_dynamic_shapes():
+    """torch.compile(fullgraph=True, dynamic=True) through every differentiable entry point,
+    loss and gradients as eager, on two shapes. The temperature checks formed their message
+    with a format spec on every call, which dynamo cannot trace (an error under fullgraph)."""
+    b = _batch()
+    hidden = torch.randn(3, 5, 8)
+    weight = torch.randn(23, 8) * 0.5
+
+    def step(x, h, w, tokens, adv, old):
+        out = fastrl.policy_loss(x, tokens, adv, old, config="dapo")
+        lp, ent = fastrl.logprobs(x, tokens, temperature=0.9, entropy=True)
+        lin = fastrl.fused_linear_policy_loss(h, w, tokens, adv, old, config="grpo", kl_coef=0.0)
+        ref = fastrl.policy_loss_from_logprobs(lp, ent, adv, old, config="grpo", kl_coef=0.0)
+        return out.loss + lin.loss + ref.loss + fastrl.linear_logprobs(h, w, tokens).sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in (5, 3):
+        results = []
+        for fn in (compiled, step):
+            x = b["logits"][:, :T].clone().requires_grad_()
+            h, w = hidden[:, :T].clone().requires_grad_(), weight.clone().requires_grad_()
+            loss = fn(x, h, w, b["tokens"][:, :T], b["advantages"], b["old_logp"][:, :T])
+            loss.backward()
+            results.append((loss.detach(), x.grad, h.grad, w.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_verls_compiled_entropy_with_fastrl_installed():

@@ -66,3 +66,18 @@ def test_the_trainer_never_imports_the_drop_ins():
     benches = ["bench_train.py", "bench_learning.py", "_trl_learning.py", "_common.py"]
     offenders += [b for b in benches if "integrations" in (ROOT / "benchmarks" / b).read_text()]
     assert not offenders, f"importing fastrl.integrations: {offenders}"
+
+
+def test_design_lists_every_loss_config_field():
+    """docs/DESIGN.md's list of LossConfig fields names each field of the class, and nothing
+    else (it missed seq_ratio_grad, kl_bias_ratio and rollout_is_floor)."""
+    import dataclasses
+    import re
+
+    import fastrl
+
+    design = (ROOT / "docs" / "DESIGN.md").read_text()
+    start = design.index("LossConfig fields use the SPEC names:")
+    paragraph = design[start : design.index("(tests/test_structure.py checks", start)]
+    listed = set(re.findall(r"`(\w+)`", paragraph))
+    assert listed == {f.name for f in dataclasses.fields(fastrl.LossConfig)}

@@ -271,18 +271,19 @@ def test_row_ops_take_a_per_row_temperature(device):
     logits, tokens, tau = _batch(device=device)
     g = torch.Generator().manual_seed(3)
     gl, gh = (torch.randn(tokens.shape, generator=g).to(device) for _ in "gh")
-    logp, ent, lse = ops._row_stats(logits, tokens, 1.0, tau)
+    logp, ent, m, log_s = ops._row_stats(logits, tokens, 1.0, tau)
     xr = logits.clone().requires_grad_()
     rlogp, rent = R.token_logprobs(xr / tau[..., None], tokens)
     torch.testing.assert_close(logp, rlogp, **FWD)
     torch.testing.assert_close(ent, rent, **FWD)
-    torch.testing.assert_close(lse, torch.logsumexp(logits / tau[..., None], -1), **FWD)
+    torch.testing.assert_close(m, (logits / tau[..., None]).amax(-1), **FWD)
+    torch.testing.assert_close(m + log_s, torch.logsumexp(logits / tau[..., None], -1), **FWD)
     (gl * rlogp + gh * rent).sum().backward()
     out = torch.empty_like(logits)
-    ops._row_grad_(logits, tokens, logp, lse, ent, gl, gh, tau, out)  # the tensor as `temperature`
+    ops._row_grad_(logits, tokens, logp, m, log_s, ent, gl, gh, tau, out)  # a tensor `temperature`
     _close_grad(out, xr.grad)
     z = logits.clone()
-    ops._row_grad_(z, tokens, logp, lse, ent, gl, None, 1.0, z, tau)  # in place, h = 0
+    ops._row_grad_(z, tokens, logp, m, log_s, ent, gl, None, 1.0, z, tau)  # in place, h = 0
     xr.grad = None
     (gl * R.token_logprobs(xr / tau[..., None], tokens)[0]).sum().backward()
     _close_grad(z, xr.grad)

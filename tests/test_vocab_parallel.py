@@ -168,6 +168,55 @@ def _check_nearly_one_hot(rows, group):
         )
 
 
+def _check_large_offset(rows, group):
+    """Logits at an offset of 1e4 (identity weight: the logits are `hidden`): d hidden as close
+    to float64's as eager fp32 (relative to each row's largest entry), for linear_logprobs and
+    the fused loss (per-chunk merge: grpo; all rows first: gspo). Each shard forms p_j from its
+    own max, exp((z'_j - m_r) - (lse - m_r)), with lse - m_r from the gathered (m_r, log s_r);
+    from exp(z'_j - lse) the merged lse's rounding at its own scale put 8e-4 of the row's scale
+    into every p_j (against eager fp32's 3e-7)."""
+    B, T, Vh = 2, 4, 37
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(B, T, Vh, generator=g) * 3 + 1e4
+    y = torch.randint(0, Vh, (B, T), generator=g)
+    adv = torch.randn(B, T, generator=g)
+    up_lp, up_h = torch.randn(2, B, T, generator=g)
+
+    def d_hidden(x, f):
+        x = x.clone().requires_grad_()
+        f(x).backward()
+        return x.grad.double()
+
+    def eager(x):
+        logq = torch.log_softmax(x, -1)
+        logp, ent = logq.gather(-1, y[..., None])[..., 0], -(logq.exp() * logq).sum(-1)
+        return (logp * up_lp.to(x.dtype) + ent * up_h.to(x.dtype)).sum()
+
+    def sharded(x):
+        logp, ent = fastrl.linear_logprobs(x, torch.eye(Vh)[rows], y, entropy=True, chunk_size=3,
+                                           group=group)  # fmt: skip
+        return (logp * up_lp + ent * up_h).sum()
+
+    want = d_hidden(z.double(), eager)
+    scale = want.abs().amax(-1, keepdim=True)
+    bound = 2 * ((d_hidden(z, eager) - want).abs() / scale).max() + 1e-6
+    err = ((d_hidden(z, sharded) - want).abs() / scale).max()
+    assert err <= bound, f"linear_logprobs: d hidden off by {err:.2e} of its row's scale"
+    for config in ("grpo", "gspo"):
+
+        def loss(x, config=config, **kw):
+            eye = torch.eye(Vh)
+            w = eye[rows] if kw else eye
+            return fastrl.fused_linear_policy_loss(x, w, y, adv, config=config, chunk_size=3,
+                                                   kl_coef=0.0, entropy_coef=0.01,
+                                                   **kw).loss  # fmt: skip
+
+        one = d_hidden(z, loss)
+        err = ((d_hidden(z, lambda x: loss(x, group=group)) - one).abs()
+               / one.abs().amax(-1, keepdim=True)).max()  # fmt: skip
+        assert err <= 1e-6, f"{config}: d hidden off the unsharded op's by {err:.2e}"
+
+
 def _plan_ints_in_the_docs() -> set[int]:
     """The plan all-gather's size as the module docstring and docs/DESIGN.md state it."""
     from fastrl import vocab_parallel as vp
@@ -371,6 +420,7 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="grpo", entropy_coef=0.01, temperature=b["tau"])
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
             _check_nearly_one_hot(rows, group)
+            _check_large_offset(rows, group)
             _check_nan_row(b, rows, group)
             _check_masked_shard(b, rows, group, slice(V - sizes[-1], V))
             _check_token_in_a_masked_shard(b, rows, group, slice(V - sizes[-1], V))

@@ -189,27 +189,27 @@ class _CastHeadLogprobs(torch.autograd.Function):
         h, w = hidden.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         chunk = default_chunk(w.shape[0], w.device)
-        logp, ent, lse = linear_token_stats(
+        logp, ent, m, log_s = linear_token_stats(
             h, w, b, tokens, mask, temperature, logit_scale, softcap, chunk, None, ops.SOURCE_KEY
         )
         del h, w, b
-        ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, m, log_s, ent)
         ctx.args = (dtype, temperature, logit_scale, softcap, chunk)
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(m, log_s)
         return logp.view(tokens.shape), ent.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         ops.refuse_double_backward("linear_logprobs")
-        hidden, weight, bias, tokens, mask, logp, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, tokens, mask, logp, m, log_s, ent = ctx.saved_tensors
         dtype, temperature, logit_scale, softcap, chunk = ctx.args
         if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+            grad_logp = torch.zeros_like(logp)
         h, w = hidden.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             dh, dw, db = linear_token_stats_backward(
-                h, w, b, tokens, mask, logp, lse, ent, grad_logp, grad_entropy,
+                h, w, b, tokens, mask, logp, m, log_s, ent, grad_logp, grad_entropy,
                 temperature, logit_scale, softcap, chunk, None,
             )  # fmt: skip
         del h, w, b

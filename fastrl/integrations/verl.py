@@ -418,7 +418,9 @@ def install(losses: bool = True, kernels: bool = True) -> list[str]:
         from verl.trainer.ppo import core_algos
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "fastrl.integrations.verl.install() needs verl (pip install verl); "
+            'fastrl.integrations.verl.install() needs verl: pip install -e ".[verl]" && '
+            "pip install --no-deps verl==0.9.1 (its pinned dependencies would replace "
+            "transformers; see docs/integrations.md); "
             f"importing verl.trainer.ppo.core_algos failed: {e}"
         ) from e
     modes: list[str] = []

@@ -157,7 +157,8 @@ class TrainConfig:
 
     report_to: str = "none"
     """`tensorboard`: also log every metric to OUT/tensorboard (needs the optional `tensorboard`
-    package: pip install "fastrl[tensorboard]"). metrics.jsonl is always written."""
+    package: pip install tensorboard, or pip install -e ".[tensorboard]" in a checkout of fastrl).
+    metrics.jsonl is always written."""
 
     epochs: int = 1
     """K: passes over each rollout batch."""
@@ -212,10 +213,12 @@ class TrainConfig:
     or off, a minibatch with none on any rank takes no optimizer step (only the schedule's)."""
 
     clip_low: float | None = None
-    """epsilon_low of the ratio clip (None: the algorithm's preset, 0.2)."""
+    """epsilon_low of the ratio clip (None: the preset's, that of --loss when given, else of
+    --algo: 0.2 for ppo, grpo and dapo; gspo 3e-4, cispo 1.0)."""
 
     clip_high: float | None = None
-    """epsilon_high of the ratio clip (None: the preset, 0.2; dapo 0.28)."""
+    """epsilon_high of the ratio clip (None: the preset's, that of --loss when given, else of
+    --algo: 0.2 for ppo and grpo, 0.28 for dapo; gspo 4e-4, cispo 4.0)."""
 
     gamma: float = 1.0
     """ppo: discount of GAE."""

@@ -15,7 +15,7 @@ def tensorboard_writer_class():
     except ImportError as e:
         raise ValueError(
             "--report-to tensorboard needs the `tensorboard` package, which is not installed: "
-            'pip install tensorboard (or pip install "fastrl[tensorboard]")'
+            'pip install tensorboard (or, in a checkout of fastrl, pip install -e ".[tensorboard]")'
         ) from e
     return SummaryWriter
 
