@@ -56,11 +56,11 @@ def check_float(name: str, x, expected: str, shape: tuple | None = None, device=
 
 def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> Tensor:
     """A mask of `shape` on `device`: bool, integer 0/1 (e.g. TRL's int64 completion_mask) or
-    float >= 0 (1 = counts). fp32 when `as_float`. The values (no NaN, no negative weight, integer
-    masks 0/1) are checked on CPU tensors outside torch.compile only: on an accelerator that
-    would be a host sync, and in a compiled graph a graph break. A mask is a constant of every
-    loss (like the advantages): returned detached, no gradient flows to a float mask that
-    requires grad (the fused ops have no derivative w.r.t. it)."""
+    float >= 0 (1 = counts). fp32 when `as_float`. The values (finite in fp32, no negative
+    weight, integer masks 0/1) are checked on CPU tensors outside torch.compile only: on an
+    accelerator that would be a host sync, and in a compiled graph a graph break. A mask is a
+    constant of every loss (like the advantages): returned detached, no gradient flows to a
+    float mask that requires grad (the fused ops have no derivative w.r.t. it)."""
     ok = isinstance(mask, Tensor) and tuple(mask.shape) == tuple(shape)
     ok = ok and mask.device == torch.device(device)
     ok = ok and mask.dtype != torch.complex64 and mask.dtype != torch.complex128
@@ -71,9 +71,9 @@ def check_mask(name: str, mask, shape: tuple, device, as_float: bool = True) -> 
         )
     check = mask.device.type == "cpu" and not torch.compiler.is_compiling()
     if check and mask.dtype != torch.bool and mask.numel() > 0:
-        if mask.is_floating_point():
-            bad = bool((torch.isnan(mask) | (mask < 0)).any())
-            what = "values >= 0 (no NaN, no negative weight)"
+        if mask.is_floating_point():  # (an inf weight, or one past fp32's range: NaN results)
+            bad = bool((~torch.isfinite(mask.float()) | (mask < 0)).any())
+            what = "finite values >= 0 (no NaN or inf, no negative weight; fp32's range)"
         else:
             bad = bool(((mask != 0) & (mask != 1)).any())
             what = "integer values 0 or 1"

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._inputs import check_float, check_mask, check_number, describe
+from ._inputs import check_bool, check_float, check_mask, check_number, describe
 from .config import _is_int
 
 WHITEN_EPS = 1e-8  # SPEC 7
@@ -69,6 +69,7 @@ def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True) -> Te
     (1e20 in fp32, 1e200 in fp64) overflow nor tiny ones lose the eps. No host sync. Returns fp32
     (same shape as x)."""
     x = check_float("x", x, "any shape")
+    shift_mean = check_bool("shift_mean", shift_mean)
     if mask is None:
         mask = torch.ones(x.shape, dtype=torch.float32, device=x.device)
     else:
@@ -160,6 +161,7 @@ def group_advantages(
     rows, and reinforce++ whitens over the rows of `mask` (N,) when given (the same numbers as
     the padded (B, T) call). N is read from cu_seqlens[-1] (a host sync on an accelerator)
     unless `mask` gives it."""
+    check = check_bool("check", check)
     if cu_seqlens is not None:
         return _packed_group_advantages(
             rewards, cu_seqlens, mask, group_size=group_size, group_ids=group_ids, scale=scale,
@@ -225,8 +227,9 @@ def group_advantages(
 
 def _packed_group_advantages(rewards, cu_seqlens, mask, **kw) -> Tensor:
     """group_advantages of B packed responses, per row (N,) (see there)."""
-    from .packing import make_packing
+    from .packing import check_cu_seqlens_form, make_packing
 
+    check_cu_seqlens_form(cu_seqlens)  # (before reading its last entry)
     if mask is not None and (not isinstance(mask, Tensor) or mask.dim() != 1):
         raise ValueError(
             f"mask must be a row mask of shape (N,) with cu_seqlens, got {describe(mask)}"

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._inputs import check_float, check_mask, check_number
+from ._inputs import check_bool, check_float, check_mask, check_number
 from .advantages import WHITEN_EPS, _check_finite
 from .advantages import whiten as _whiten  # `gae` has an argument named `whiten`
 from .chunked import run_chunks
@@ -74,12 +74,12 @@ def _gae_torch(
          nb blocks by one small matmul (`_chain_blocks`). When c < 0.2, instead
          A_j = Σ_{i <= J} c^i δ_{j+i} with c^J < 1e-18 (a few shifted adds);
       3. gather back: A_t = A_compact[b, #counted before t].
-    The scan runs in float64 and L is chosen so that c^-L <= 1e4 (cancellation error ~1e-12 of
-    the block's |δ|). Chunks keep the temporaries small and run on single-threaded workers (the
-    CPU's threads; any order, bitwise the same result); the whitening statistics are collected
-    per chunk in float64 (count, mean and Σ (A - mean)² over the compact rows, merged in chunk
-    order with Chan's formula). Uncounted tokens go to a shadow copy that is never read, so a
-    NaN there reaches neither A nor the whitening. No host sync.
+    The scan, δ included, runs in float64 and L is chosen so that c^-L <= 1e4 (cancellation
+    error ~1e-12 of the block's |δ|). Chunks keep the temporaries small and run on single-
+    threaded workers (the CPU's threads; any order, bitwise the same result); the whitening
+    statistics are collected per chunk in float64 (count, mean and Σ (A - mean)² over the
+    compact rows, merged in chunk order with Chan's formula). Uncounted tokens go to a shadow
+    copy that is never read, so a NaN there reaches neither A nor the whitening. No host sync.
     Returns (advantages, returns) fp32 (B, T): advantages whitened over counted tokens (`whiten`,
     SPEC 7) when `whiten`, returns = unwhitened A + V."""
     B, T = rewards.shape
@@ -111,17 +111,20 @@ def _gae_torch(
         idx = torch.nn.functional.pad(mc[:, :-1], (1, 0)).cumsum(1)  # (n, T) #counted before t
         idx += (torch.arange(n, device=dev) * W)[:, None]
         dst = idx.add(~mc, alpha=n * W).view(-1)  # uncounted tokens go to a shadow copy
-        delta = torch.empty(2 * n * W, dtype=torch.float32, device=dev)
-        v_compact = torch.empty(2 * n * W, dtype=torch.float32, device=dev)
+        # in float64, δ too: γ rounded to fp32 in an fp32 δ = (r - V) + γ V' is a relative 1e-8 of
+        # every V', the same sign at each step, summed over the horizon 1 / (1 - γλ) (0.09 at
+        # γ = 0.9999, V ~ 1e3, where the fp32 loop's own rounding is 3e-3)
+        delta = torch.empty(2 * n * W, dtype=torch.float64, device=dev)
+        v_compact = torch.empty(2 * n * W, dtype=torch.float64, device=dev)
         delta[: n * W].zero_()
         v_compact[: n * W].zero_()
         r, v = rewards[s:e].float(), values[s:e].float()
-        delta.scatter_(0, dst, (r - v).reshape(-1))
-        v_compact.scatter_(0, dst, v.reshape(-1))
+        delta.scatter_(0, dst, (r.double() - v.double()).reshape(-1))
+        v_compact.scatter_(0, dst, v.double().reshape(-1))
         delta = delta[: n * W].view(n, W)
         delta[:, :-1].add_(v_compact[: n * W].view(n, W)[:, 1:], alpha=gamma)  # δ_j (n, W)
         if c < 0.2:
-            adv = delta.double()
+            adv = delta.clone()
             for i in range(1, min(J, W - 1) + 1):
                 adv[:, :-i].add_(delta[:, i:], alpha=c**i)
         else:
@@ -202,6 +205,7 @@ def gae(
             f"{tuple(rewards.shape)} (like rewards) on {rewards.device}"
         )
     rewards, values = rewards.detach(), values.detach()
+    whiten, check = check_bool("whiten", whiten), check_bool("check", check)
     mask = check_mask("mask", mask, rewards.shape, rewards.device, as_float=False)
     gamma, lam = (
         check_number(name, val, "a float in [0, 1]", lambda v: 0 <= v <= 1)

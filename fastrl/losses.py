@@ -125,8 +125,10 @@ def policy_loss(
     a division by a temperature), no other loss or op in the graph uses the same logits (another
     loss on them, a softmax saved for backward, ...), the caller does not read them after
     this call, and backward runs once (no retain_graph double backward). Misuse detected by
-    autograd's version counter raises (the write bumps it); misuse it cannot see gives wrong
-    numbers. With a non-contiguous V dimension the gradient lands in the internal copy instead.
+    autograd's version counter raises (the write bumps it), as does a later fastrl call that
+    reads the overwritten rows (`policy_loss` on the same or an overlapping slice, `logprobs`:
+    a ValueError at that call); misuse neither can see gives wrong numbers. With a
+    non-contiguous V dimension the gradient lands in the internal copy instead.
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
     sliced to the completion) hand the whole base's storage on as its gradient, the rows
     outside a:b zeroed in the backward: no (B, S, V) buffer is made for the slice's backward,
@@ -134,7 +136,8 @@ def policy_loss(
     The loss is then a function of the base, not of the slice: `torch.autograd.grad(loss,
     logits)` or `logits.retain_grad()` need inplace=False. A second inplace loss on another
     slice of the same base turns the first to autograd's copying form (gradients exact); a
-    third raises autograd's "modified by an inplace operation" (use inplace=False for it);
+    third raises autograd's "modified by an inplace operation" (use inplace=False for it); one
+    on the same or an overlapping slice is refused (ValueError: those rows hold a gradient);
     under torch.compile, and for fp16 logits (gradient in the backward), the slice's own path
     is taken.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
@@ -157,6 +160,7 @@ def policy_loss(
         max_seqlen=max_seqlen,
         temperature_tensor=True,
     )
+    ops.check_not_overwritten(logits, "policy_loss")
     if torch.is_grad_enabled() and x.logits.requires_grad:
         if inplace:
             _check_inplace(logits)
@@ -167,7 +171,10 @@ def policy_loss(
                 _check_finite(out.loss, x.unflatten(logp.detach()), x.unflatten(x.mask))
             return out
         weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
+        version = ops.storage_version(logits)
         logp, entropy, grad = _policy_grad(x, inplace, weights)
+        if inplace:
+            ops.note_overwritten(logits, version, grad)
         with torch.no_grad():
             out = ops.policy_output(logp, entropy, x, weights)
         if inplace and not _compiling():  # a slice base[:, a:b]: the base's storage is handed on
@@ -326,6 +333,7 @@ def logprobs(
         if cu_seqlens is not None and temperature.dim() == 1:  # (S,) allowed: per sequence
             packing = packing_for_rows(cu_seqlens, T, logits.device)
         temperature = check_temperature_rows(temperature, B, T, flat, logits.device, packing)
+    ops.check_not_overwritten(logits, "logprobs")
     logp, ent = ops.token_logprobs(logits3, tokens2, temperature)
     if flat:
         logp, ent = logp.squeeze(0), ent.squeeze(0)

@@ -632,6 +632,70 @@ def attach_inplace_grad(loss: Tensor, logits: Tensor, node: Tensor, grad: Tensor
     return attach_grads(loss, [node], [grad])
 
 
+def _storage_region(t: Tensor) -> tuple[Tensor, tuple]:
+    """(root, region): the tensor whose storage `t` views (its base, or itself) and the part of
+    it `t` covers: (a, b, lo, hi) with rows a:b when `t` is root[:, a:b] of a contiguous
+    (B, S, V) root (a, b None otherwise) and lo:hi the span of storage elements it reaches."""
+    root = t if t._base is None else t._base
+    lo = t.storage_offset() - root.storage_offset()
+    hi = lo + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else lo
+    rows = (None, None)
+    V = root.shape[-1] if root.dim() == 3 else 0
+    if (
+        V and root.is_contiguous() and t.dim() == 3 and t.stride() == root.stride()
+        and t.shape[0] == root.shape[0] and t.shape[2] == V and lo % V == 0
+    ):  # fmt: skip
+        rows = (lo // V, lo // V + t.shape[1])
+    return root, (*rows, lo, hi)
+
+
+def _overlap(r1: tuple, r2: tuple) -> bool:
+    if None not in r1[:2] and None not in r2[:2]:  # two row slices of one (B, S, V) root
+        return r1[0] < r2[1] and r2[0] < r1[1] and r1[0] < r1[1] and r2[0] < r2[1]
+    return r1[2] < r2[3] and r2[2] < r1[3]
+
+
+def storage_version(t: Tensor) -> int | None:
+    """The version counter `t` shares with every view of its storage (None under
+    torch.compile, where the inplace bookkeeping below is off)."""
+    return None if torch.compiler.is_compiling() else t._version
+
+
+def note_overwritten(logits: Tensor, version_before: int | None, grad: Tensor) -> None:
+    """Record on the logits' root tensor that policy_loss(inplace=True) overwrote them with the
+    gradient `grad` (the storage's version `version_before` before that write; nothing when
+    the gradient went to a copy: a strided V): `check_not_overwritten` refuses a later fastrl
+    read of those rows while nothing else has written there since."""
+    if torch.compiler.is_compiling() or version_before is None:
+        return
+    if grad.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+        return
+    root, region = _storage_region(logits)
+    seen = getattr(root, "_fastrl_overwritten", None)
+    regions = seen[1] if seen is not None and seen[0] == version_before else []
+    root._fastrl_overwritten = (root._version, [*regions, region])
+
+
+def check_not_overwritten(logits: Tensor, op: str) -> None:
+    """A ValueError when `logits` reads rows that an earlier policy_loss(inplace=True) overwrote
+    with its gradient (`note_overwritten`) and nothing has written there since: the numbers
+    there are no longer logits, and nothing else would tell (a read after the call saves
+    nothing autograd's version counter checks, e.g. a second loss on the same slice)."""
+    if torch.compiler.is_compiling():
+        return
+    root, region = _storage_region(logits)
+    seen = getattr(root, "_fastrl_overwritten", None)
+    if seen is None or seen[0] != root._version:
+        return
+    if any(_overlap(region, r) for r in seen[1]):
+        raise ValueError(
+            f"fastrl.{op}: the logits {tuple(logits.shape)} were overwritten with a gradient by "
+            "an earlier fastrl.policy_loss(..., inplace=True) on the same tensor (or an "
+            "overlapping slice of it): they hold no logits any more. Compute every other loss "
+            "or read of these logits before that call, or pass inplace=False to it"
+        )
+
+
 def attach_grads(loss: Tensor, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
     """`loss` (a value) as a differentiable function of `inputs` with d loss / d inputs = grads
     (same shapes), so that backward costs no more than scaling the gradients."""

@@ -69,10 +69,9 @@ class Packing:
         )  # fmt: skip
 
 
-def check_cu_seqlens(cu_seqlens, N: int, max_seqlen: int | None = None) -> None:
-    """`cu_seqlens` must be an int tensor (S + 1,), S >= 1. Its values (0 first, N last, never
-    decreasing) and `max_seqlen` (None, or an int >= the longest sequence) are checked when it is
-    a CPU tensor and outside torch.compile (elsewhere that would be a host sync / graph break)."""
+def check_cu_seqlens_form(cu_seqlens) -> None:
+    """`cu_seqlens` must be an int32 / int64 tensor of shape (S + 1,), S >= 1 (its values:
+    `check_cu_seqlens`)."""
     if (
         not isinstance(cu_seqlens, Tensor)
         or cu_seqlens.dim() != 1
@@ -88,6 +87,13 @@ def check_cu_seqlens(cu_seqlens, N: int, max_seqlen: int | None = None) -> None:
             f"cu_seqlens must be an int32 / int64 tensor of shape (S + 1,) with S >= 1 (the "
             f"boundaries of S packed sequences), got {got}"
         )
+
+
+def check_cu_seqlens(cu_seqlens, N: int, max_seqlen: int | None = None) -> None:
+    """`cu_seqlens` must be an int tensor (S + 1,), S >= 1. Its values (0 first, N last, never
+    decreasing) and `max_seqlen` (None, or an int >= the longest sequence) are checked when it is
+    a CPU tensor and outside torch.compile (elsewhere that would be a host sync / graph break)."""
+    check_cu_seqlens_form(cu_seqlens)
     if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
         raise ValueError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():

@@ -64,6 +64,22 @@ def test_gae_long_sequence(gamma, lam):
     torch.testing.assert_close(adv, ref_adv, atol=2e-6 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("gamma", [0.9999, 0.999])
+def test_gae_long_horizon_with_large_values_has_no_bias(gamma):
+    """Values ~1e3 over T = 8192 at gamma near 1: the CPU scan within the fp32 output's own
+    rounding of the float64 loop. It formed delta in fp32, gamma rounded to fp32 there: a
+    relative 1e-8 of every V', the same sign at every step, summed over the horizon
+    1 / (1 - gamma): 0.093 off at gamma = 0.9999, 0.014 at 0.999 (the fp32 loop: 3e-3)."""
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(1, 8192, generator=g)
+    values = torch.randn(1, 8192, generator=g) * 100 + 1000
+    mask = torch.ones(1, 8192, dtype=torch.bool)
+    adv, _ = fastrl.gae(rewards, values, mask, gamma, 1.0, whiten=False)
+    expected = spec_gae_loop(rewards.tolist(), values.tolist(), mask.float().tolist(), gamma, 1.0)
+    ulp = torch.finfo(torch.float32).eps * expected.abs().max().item()
+    assert (adv.double() - expected).abs().max() <= ulp
+
+
 @pytest.mark.parametrize("gamma,lam,T", [(0.5, 0.5, 6000), (1.0, 1.0, 2000)])
 def test_gae_block_chaining_paths(gamma, lam, T):
     """Short blocks (c = 0.25: L = 6, > 1024 blocks chained by shifted adds) and long ones
@@ -555,3 +571,22 @@ def test_gae_kernel_masked_nan_across_blocks():
     values[~mask] = math.nan
     adv = gae_scan(rewards, values, mask.float(), 0.9, 0.7, block_t=16)
     torch.testing.assert_close(adv.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flags_must_be_bools_and_packed_boundaries_are_checked_first():
+    """A string flag read as True ("False" whitened, shift_mean="False" subtracted the mean);
+    group_advantages with a cu_seqlens that is no (S + 1,) int tensor read its last entry first
+    (a raw IndexError / "only one element tensors" from torch)."""
+    x = torch.tensor([11.0, 12.0, 13.0])
+    r, v, m = torch.randn(2, 4), torch.randn(2, 4), torch.ones(2, 4, dtype=torch.bool)
+    for call, name in (
+        (lambda: fastrl.whiten(x, shift_mean="False"), "shift_mean"),
+        (lambda: fastrl.gae(r, v, m, whiten="no"), "whiten"),
+        (lambda: fastrl.gae(r, v, m, check=1), "check"),
+        (lambda: fastrl.group_advantages(x, group_size=3, check="no"), "check"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} must be a bool"):
+            call()
+    for bad in (torch.tensor(3), torch.tensor([], dtype=torch.long), torch.tensor([[0, 1, 3]])):
+        with pytest.raises(ValueError, match=r"cu_seqlens must be an int32 / int64 tensor"):
+            fastrl.group_advantages(torch.tensor([1.0, 0.0]), group_size=2, cu_seqlens=bad)

@@ -199,3 +199,22 @@ def test_old_values_and_returns_are_constants():
     loss.backward()
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.5]]))
     assert old_values.grad is None and returns.grad is None
+
+
+def test_an_infinite_mask_weight_is_refused_everywhere():
+    """A mask weight of +inf (or past fp32's range) made every result NaN: value_loss, whiten,
+    gae and reinforce++'s token whitening took it as a weight >= 0. Now a ValueError naming the
+    mask, as for a NaN or negative weight."""
+    v = torch.randn(2, 3)
+    for bad in (float("inf"), 1e39):
+        m = torch.ones(2, 3, dtype=torch.float64)
+        m[0, 1] = bad
+        with pytest.raises(ValueError, match="mask must hold finite values"):
+            fastrl.value_loss(v, v + 0.1, v + 1, m.float() if bad == float("inf") else m)
+        with pytest.raises(ValueError, match="mask must hold finite values"):
+            fastrl.whiten(v, m)
+        with pytest.raises(ValueError, match="mask must hold finite values"):
+            fastrl.gae(v, v, m, 0.9, 0.9)
+        with pytest.raises(ValueError, match="mask must hold finite values"):
+            fastrl.group_advantages(torch.tensor([1.0, 0.0]), group_size=2,
+                                    estimator="reinforce++", mask=m)  # fmt: skip
