@@ -11,9 +11,9 @@ The backend interface (the same names as the Triton launchers in fastrl/kernels/
   row_stats(logits, tokens, tau, shift=False) -> fp32 (B, T) logp, H, lse     (one exp per logit)
                                               (tau: a float, or a (B, T) per-row tensor; with
                                               `shift`, also (m, log s): lse = m + log s)
-  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out, shifted=None)
-                                              SPEC 6's dL/dz into `out`, p_j from lse or, given
-                                              `shifted` = (m, log s), exactly at any offset
+  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out, shifted)
+                                              SPEC 6's dL/dz into `out`, p_j from `shifted` =
+                                              (m, log s), exactly at any offset (lse unread)
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
   stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
                                               statistics, then (g, h), then dL/dz into `out`: here
@@ -252,51 +252,23 @@ def _scaled(rows: Tensor, temperature) -> Tensor:
 
 def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted=None):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk, from the (B, T) statistics of
-    `row_stats` (logp, lse, entropy) and g, h; `out` may be `logits` itself; temperature a float
-    or a (B, T) tensor of per-row temperatures (those of the statistics).
+    `row_stats(shift=True)` (logp, entropy, and `shifted` = (m, log s)) and g, h; `out` may be
+    `logits` itself; temperature a float or a (B, T) tensor of per-row temperatures (those of
+    the statistics). `lse` is not read (the Triton launcher's signature, where it may stand in
+    for `shifted`; here `shifted` is required).
 
-    shifted: None, or `row_stats(shift=True)`'s (m, log s) (then `lse` is not read and may be
-    None): p_j = exp(z'_j - m) / s, with the row max formed again from the logits exactly as the
-    statistics formed it (`finish_`), so p_j is exact at any offset of the logits, where
-    exp(z'_j - lse) carries lse's rounding at its own scale, eps |lse|, into every p_j. log s may
-    also be any log-mass relative to the row's own max (the vocab-parallel shards pass the whole
-    row's lse - m_r).
-
-    The same finishing pass as the fused losses (`_chunk_finish_`, one implementation of the
-    gradient): per chunk e = exp(z' - lse) = p in cache-sized blocks (written where the chunk's
-    fp32 values live: `out` itself when it is fp32), then dL/dz = p (a log p + c) with
-    a = -h / tau, c = -(g + h H) / tau, and the exact entry at y, tau^-1 [g (1 - p_y) -
-    h p_y (logp_y + H)], from the statistics' logp_y = (z'_y - m) - log s (not z'_y - lse,
-    whose rounding at |lse|'s scale would land in 1 - p_y: kernels/policy_loss.py,
-    `_row_grad_store`)."""
-    if shifted is not None:
-        h = None if h is None else h.float()
-        return finish_(out, tokens, logp, entropy, shifted[1], g.float(), h, temperature, logits)
-    B, T, V = logits.shape
-    y_all = tokens.reshape(-1).long()
-    logp_all, lse, entropy = logp.reshape(-1), lse.reshape(-1), entropy.reshape(-1)
-    g = g.reshape(-1).float()
-    h = None if h is None else h.reshape(-1).float()
-    log_s = torch.zeros_like(lse)  # e is p itself: s = 1
-    tau_all = row_temperature(temperature, B * T)
-
-    def body(r0, r1, work):
-        rows, y = _rows(logits, r0, r1), y_all[r0:r1]
-        tau = _chunk_tau(tau_all, r0, r1)  # float, or (R, 1)
-        view, e = work.target(out, r0, r1)
-        for a in range(0, r1 - r0, work.S):  # e = exp(z' - lse), cache-sized blocks
-            b = min(r1 - r0, a + work.S)
-            u = work.u(b - a).copy_(rows[a:b])  # (before e, which may be these very rows)
-            if not _is_one(tau):
-                u.mul_(inv_tau(_sub_tau(tau, a, b)))
-            torch.exp(u.sub_(lse[r0 + a : r0 + b, None]), out=e[a:b])
-        stats = [None if t is None else t[r0:r1] for t in (entropy, log_s, g, h)]
-        _chunk_finish_(e, y, logp_all[r0:r1], *stats, tau, work, view)
-        if view is None:
-            _store_rows(out, r0, r1, e)
-
-    for_chunks(B * T, V, logits.device, body)
-    return out
+    p_j = exp(z'_j - m) / s, with the row max formed again from the logits exactly as the
+    statistics formed it, so p_j is exact at any offset of the logits (exp(z'_j - lse) would
+    carry lse's rounding at its own scale, eps |lse|, into every p_j). log s may also be any
+    log-mass relative to the row's own max (the vocab-parallel shards pass the whole row's
+    lse - m_r). The pass is `finish_` with the logits: per chunk e = exp(z' - m) in cache-sized
+    blocks, then dL/dz = p (a log p + c) with a = -h / tau, c = -(g + h H) / tau, and the exact
+    entry at y, tau^-1 [g (1 - p_y) - h p_y (logp_y + H)], from the statistics' logp_y =
+    (z'_y - m) - log s (`_chunk_finish_`, one implementation of the gradient)."""
+    if shifted is None:
+        raise ValueError("chunked.row_grad_ needs `shifted` = row_stats(shift=True)'s (m, log s)")
+    h = None if h is None else h.float()
+    return finish_(out, tokens, logp, entropy, shifted[1], g.float(), h, temperature, logits)
 
 
 def scale_(grad: Tensor, scale: Tensor) -> Tensor:
