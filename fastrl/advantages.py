@@ -264,11 +264,19 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
     """DAPO's soft overlong punishment (SPEC 9), to add to the reward. lengths (B,) -> (B,) fp32.
 
     With L_exp = max_len - cache_len: 0 if |y| <= L_exp; (L_exp - |y|) / cache_len * factor if
-    L_exp < |y| <= max_len; -factor beyond. factor: a float >= 0. A non-finite length (a float
-    tensor's NaN or inf) gives NaN, never a finite penalty."""
-    if not isinstance(lengths, Tensor) or lengths.dim() != 1:
-        got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
-        raise ValueError(f"lengths must be a tensor of shape (B,), got {got}")
+    L_exp < |y| <= max_len; -factor beyond. factor: a float >= 0. lengths: an integer or float
+    tensor (not bool, not complex); a negative one is a ValueError (checked on CPU tensors); a
+    non-finite length (a float tensor's NaN or inf) gives NaN, never a finite penalty."""
+    ok = isinstance(lengths, Tensor) and lengths.dim() == 1
+    if not ok or lengths.dtype == torch.bool or lengths.is_complex():
+        raise ValueError(
+            f"lengths must be an integer or float tensor of shape (B,), got {describe(lengths)}"
+        )
+    if lengths.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool((lengths < 0).any()):
+            raise ValueError(
+                f"lengths must be >= 0 (response lengths), got a minimum of {lengths.min().item()}"
+            )
     if not _is_int(max_len) or not _is_int(cache_len):
         raise ValueError(f"max_len={max_len!r} and cache_len={cache_len!r} must be ints")
     if not 0 < cache_len <= max_len:

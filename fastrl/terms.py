@@ -34,7 +34,12 @@ METRICS = ("clipfrac", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx
 
 @dataclass
 class PolicyLossOutput:
-    """What `policy_loss` returns (the fused `fastrl.policy_loss` returns the same object)."""
+    """What every policy loss returns (`fastrl.policy_loss`, `policy_loss_from_logprobs`,
+    `fused_linear_policy_loss`): the 0-dim `loss` (differentiable w.r.t. the logits, the LM
+    head's inputs or the given log-probs), fp32 per-token `logp`, `entropy`, `kl` and `ratio`
+    shaped like the tokens (detached), and `metrics` (detached 0-dim tensors: clipfrac,
+    clipfrac_low / high, dualclip_frac, approx_kl, kl, entropy, ratio_mean / max, and the
+    rollout IS weight statistics when rollout IS is on)."""
 
     loss: Tensor  # scalar, differentiable w.r.t. the logits
     logp: Tensor  # per token (like tokens), detached

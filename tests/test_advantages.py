@@ -388,6 +388,13 @@ def test_overlong_penalty_hand_computed():
     # a non-finite length (float lengths) is NaN, never a finite penalty
     odd = fastrl.overlong_penalty(torch.tensor([float("nan"), float("inf"), 8.0]), 10, 4, 0.5)
     assert odd[:2].isnan().all() and odd[2] == -0.25
+    # lengths that are no lengths: a negative one read as penalty 0, a bool or complex tensor
+    # was taken (True = 1)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        fastrl.overlong_penalty(torch.tensor([3, -2]), 10, 4)
+    for bad in (torch.tensor([True, False]), torch.tensor([1 + 0j, 2 + 0j])):
+        with pytest.raises(ValueError, match="lengths must be an integer or float tensor"):
+            fastrl.overlong_penalty(bad, 10, 4)
 
 
 def test_dynamic_sampling_filter_hand_computed():
