@@ -130,7 +130,7 @@ def policy_loss(
     a ValueError at that call); misuse neither can see gives wrong numbers. With a
     non-contiguous V dimension the gradient lands in the internal copy instead.
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
-    sliced to the completion) hand the whole base's storage on as its gradient, the rows
+    sliced to the completion; with a bias, the (B S, V) result F.linear's output views) hand the whole base's storage on as its gradient, the rows
     outside a:b zeroed in the backward: no (B, S, V) buffer is made for the slice's backward,
     and the same rules then hold for the whole base (its other rows read 0 after backward).
     The loss is then a function of the base, not of the slice: `torch.autograd.grad(loss,

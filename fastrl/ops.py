@@ -571,41 +571,54 @@ class _AttachBaseGrad(torch.autograd.Function):
     slice backward would."""
 
     @staticmethod
-    def forward(ctx, loss, base, a, b):
-        ctx.grad, ctx.rows, ctx.done, ctx.shared = base.detach(), (a, b), False, False
+    def forward(ctx, loss, base, S, a, b):
+        ctx.grad, ctx.rows, ctx.done, ctx.shared = base.detach(), (S, a, b), False, False
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
         _backward_once(ctx)
-        grad, (a, b) = ctx.grad, ctx.rows
+        grad, (S, a, b) = ctx.grad, ctx.rows
         with torch.no_grad():
+            rows = grad.view(-1, S, grad.shape[-1])  # (B, S, V), whatever the base's shape
             if ctx.shared:
                 full = torch.zeros_like(grad)
-                full[:, a:b] = grad[:, a:b]
+                full.view(rows.shape)[:, a:b] = rows[:, a:b]
                 grad = full
             else:
-                grad[:, :a].zero_()  # the prompt rows (and any after b): no gradient
-                grad[:, b:].zero_()
+                rows[:, :a].zero_()  # the prompt rows (and any after b): no gradient
+                rows[:, b:].zero_()
         scale_grad_(grad, grad_loss)
         ctx.grad = None  # a kept loss must not keep the (B, S, V) storage alive
-        return None, grad, None, None
+        return None, grad, None, None, None
 
 
-def sliced_rows(view: Tensor) -> tuple[Tensor, int, int] | None:
-    """(base, a, b) when `view` is base[:, a:b] of a contiguous (B, S, V) tensor autograd
-    differentiates (not a leaf), else None."""
-    base = view._base
-    if base is None or base.is_leaf or not base.requires_grad or base.dim() != 3:
+def _rows_of(view: Tensor, base: Tensor) -> tuple[int, int, int] | None:
+    """(S, a, b) when `view` (B, T, V) is rows a:b of every sequence of a contiguous `base`
+    holding (B, S, V) values: base (B, S, V), or (B S, V) as F.linear's output with a bias (a
+    view of its 2-D addmm result); else None."""
+    if view.dim() != 3 or not base.is_contiguous() or base.dim() == 0:
         return None
-    if view.dim() != 3 or not base.is_contiguous() or view.stride() != base.stride():
+    B, T, V = view.shape
+    if V == 0 or view.stride(2) != 1 or view.stride(1) != V or view.stride(0) % V:
         return None
-    B, S, V = base.shape
+    S = view.stride(0) // V
     offset = view.storage_offset() - base.storage_offset()
-    a, T = offset // V, view.shape[1]
-    if view.shape[0] != B or view.shape[2] != V or offset % V or not 0 <= a <= S - T:
+    if base.shape[-1] != V or base.numel() != B * S * V or offset % V:
         return None
-    return base, a, a + T
+    a = offset // V
+    return (S, a, a + T) if 0 <= a <= S - T else None
+
+
+def sliced_rows(view: Tensor) -> tuple[Tensor, int, int, int] | None:
+    """(base, S, a, b) when `view` is rows a:b of the sequences of a contiguous base that
+    autograd differentiates (not a leaf): base[:, a:b] of a (B, S, V) base, or of the (B S, V)
+    base F.linear with a bias returns a view of; else None."""
+    base = view._base
+    if base is None or base.is_leaf or not base.requires_grad:
+        return None
+    rows = _rows_of(view, base)
+    return None if rows is None else (base, *rows)
 
 
 def attach_inplace_grad(loss: Tensor, logits: Tensor, node: Tensor, grad: Tensor) -> Tensor:
@@ -639,14 +652,8 @@ def _storage_region(t: Tensor) -> tuple[Tensor, tuple]:
     root = t if t._base is None else t._base
     lo = t.storage_offset() - root.storage_offset()
     hi = lo + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else lo
-    rows = (None, None)
-    V = root.shape[-1] if root.dim() == 3 else 0
-    if (
-        V and root.is_contiguous() and t.dim() == 3 and t.stride() == root.stride()
-        and t.shape[0] == root.shape[0] and t.shape[2] == V and lo % V == 0
-    ):  # fmt: skip
-        rows = (lo // V, lo // V + t.shape[1])
-    return root, (*rows, lo, hi)
+    found = _rows_of(t, root)
+    return root, (*(found[1:] if found else (None, None)), lo, hi)
 
 
 def _overlap(r1: tuple, r2: tuple) -> bool:

@@ -368,12 +368,15 @@ def test_inplace_then_a_later_reader_gets_the_gradient_as_the_readme_says():
     assert "other reader after the call silently gets the gradient in place of the logits" in text
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("sl", [slice(3, -1), slice(0, None), slice(2, 6)])
-def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl):
+def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl, bias):
     """logits = (h W^T)[:, P-1:-1], passed as is (README): with inplace=True the gradient is
     written over those rows and the backward hands the base's own storage on, its other rows
     zeroed. Attached to the slice, autograd's slice backward allocated a zero (B, S, V) tensor
-    and copied the gradient into it. Gradients equal inplace=False's; backward scaling works."""
+    and copied the gradient into it. Gradients equal inplace=False's; backward scaling works.
+    With a bias, F.linear returns a (B, S, V) view of its 2-D (B S, V) result: that base is
+    handed on too (it took the copying path, and a second inplace slice raised)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     g = torch.Generator().manual_seed(0)
@@ -399,10 +402,11 @@ def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl):
                     self.big.append(func._schema.name)
             return out
 
+    b0 = torch.randn(V, generator=g) if bias else None
     grads = {}
     for inplace in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        logits = (h @ w.T)[:, sl]
+        logits = torch.nn.functional.linear(h, w, b0)[:, sl]
         out = fastrl.policy_loss(logits, tokens, adv, old, config="dapo", inplace=inplace)
         with BigAllocations() as mode:
             (2.0 * out.loss).backward()
@@ -414,8 +418,9 @@ def test_inplace_on_a_sliced_lm_head_output_makes_no_full_buffer(sl):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("second_inplace", [True, False])
-def test_inplace_on_two_slices_of_one_output(second_inplace):
+def test_inplace_on_two_slices_of_one_output(second_inplace, bias):
     """Two losses on two slices of one lm_head output (a completion split in two), the first
     with inplace=True: the second's gradient is not zeroed by the first's backward nor handed
     on twice (an inplace second slice turns the first to the copying backward). The first
@@ -425,10 +430,11 @@ def test_inplace_on_two_slices_of_one_output(second_inplace):
     hidden, weight = torch.randn(B, S, H, generator=g), torch.randn(V, H, generator=g)
     tokens = torch.randint(0, V, (B, S), generator=g)
     adv = torch.randn(B, generator=g)
+    b0 = torch.randn(V, generator=g) if bias else None
     grads = {}
     for inplace in (True, False):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        base = h @ w.T
+        base = torch.nn.functional.linear(h, w, b0)  # (with a bias: a view of a 2-D result)
         parts = [(slice(1, 6), inplace), (slice(6, 11), inplace and second_inplace)]
         loss = sum(
             fastrl.policy_loss(base[:, sl], tokens[:, sl], adv, config="dapo", inplace=ip).loss
