@@ -130,16 +130,16 @@ def policy_loss(
     a ValueError at that call); misuse neither can see gives wrong numbers. With a
     non-contiguous V dimension the gradient lands in the internal copy instead.
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
-    sliced to the completion; with a bias, the (B S, V) result F.linear's output views) hand the whole base's storage on as its gradient, the rows
-    outside a:b zeroed in the backward: no (B, S, V) buffer is made for the slice's backward,
-    and the same rules then hold for the whole base (its other rows read 0 after backward).
-    The loss is then a function of the base, not of the slice: `torch.autograd.grad(loss,
-    logits)` or `logits.retain_grad()` need inplace=False. A second inplace loss on another
-    slice of the same base turns the first to autograd's copying form (gradients exact); a
-    third raises autograd's "modified by an inplace operation" (use inplace=False for it); one
-    on the same or an overlapping slice is refused (ValueError: those rows hold a gradient);
-    under torch.compile, and for fp16 logits (gradient in the backward), the slice's own path
-    is taken.
+    sliced to the completion; with a bias, the (B S, V) result F.linear's output views) hand the
+    whole base's storage on as its gradient, the rows outside a:b zeroed in the backward: no (B,
+    S, V) buffer is made for the slice's backward, and the same rules then hold for the whole
+    base (its other rows read 0 after backward). The loss is then a function of the base, not of
+    the slice: `torch.autograd.grad(loss, logits)` or `logits.retain_grad()` need inplace=False.
+    A second inplace loss on another slice of the same base turns the first to autograd's
+    copying form (gradients exact); a third raises autograd's "modified by an inplace operation"
+    (use inplace=False for it); one on the same or an overlapping slice is refused (ValueError:
+    those rows hold a gradient); under torch.compile, and for fp16 logits (gradient in the
+    backward), the slice's own path is taken.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
 
     Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with
