@@ -186,15 +186,24 @@ def byte_budget() -> dict:
 # keyword arguments), at the
 # byte budget's shape (N rows of V bf16 logits; the sampler at decode, 256 rows)
 SWEEP_LAUNCHES = [
-    ("logprobs, no grad (statistics)", "row_stats_configs", (N, V, "bf16", SMS)),
+    # (logprobs and the policy loss store m and log s with the statistics, and every gradient
+    # kernel forms p_j from them: exact at any offset of the logits)
+    (
+        "logprobs / policy_loss statistics",
+        "row_stats_configs",
+        (N, V, "bf16", SMS, {"shift": True}),
+    ),
     ("policy_loss, one pass (FASTRL_ONE_PASS=1)", "policy_rows_configs", (N, V, "bf16", False)),
     ("policy_loss, one pass, entropy bonus", "policy_rows_configs", (N, V, "bf16", True)),
-    ("logprobs backward (gradient)", "row_grad_configs", (N, V, "bf16", False)),
-    ("logprobs backward, entropy term", "row_grad_configs", (N, V, "bf16", True)),
     (
-        "policy_loss gradient (m, log s)",
+        "logprobs backward / policy_loss gradient",
         "row_grad_configs",
         (N, V, "bf16", False, {"has_shift": True}),
+    ),
+    (
+        "logprobs backward / policy_loss gradient, entropy term",
+        "row_grad_configs",
+        (N, V, "bf16", True, {"has_shift": True}),
     ),
     ("sample (Gumbel-max)", "sample_rows_configs", (N, V, "bf16", False, SMS)),
     # an odd vocabulary (GPT-2's): a row stride that is no multiple of 16, unaligned rows
