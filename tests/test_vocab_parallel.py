@@ -217,6 +217,32 @@ def _check_large_offset(rows, group):
         assert err <= 1e-6, f"{config}: d hidden off the unsharded op's by {err:.2e}"
 
 
+def _check_fp16_policy(b, rows, group):
+    """fp16 with a loss scale: the vocab-parallel fused loss, like the single-device one, leaves
+    its gradient to the backward, where the scale is known. Formed in the forward, dz's entries
+    (~1e-8 with a global token count of 1e6) were flushed to fp16's subnormals or 0 before the
+    scale reached them: the unscaled gradients against fp32's were off by their whole size."""
+
+    def grads(leaves, scale, **kw):
+        out = fastrl.fused_linear_policy_loss(leaves[0], leaves[1], b["tokens"], b["adv"],
+                                              b["old"], b["ref"], b["mask"], bias=leaves[2],
+                                              config="dapo", num_tokens=1e6, **kw)  # fmt: skip
+        return out.loss, [g.float() / scale for g in torch.autograd.grad(scale * out.loss, leaves)]
+
+    def leaves(dtype, r=slice(None)):
+        tensors = (b["hidden"], b["weight"][r], b["bias"][r])
+        return [t.to(dtype).clone().requires_grad_() for t in tensors]
+
+    loss, want = grads(leaves(torch.float32), 1.0)  # unsharded fp32: the truth
+    loss_s, got = grads(leaves(torch.float16, rows), 65536.0, group=group)
+    torch.testing.assert_close(loss_s.float(), loss, rtol=1e-3, atol=1e-6)
+    for name, g_s, g_true in zip(("d hidden", "d weight", "d bias"), got,
+                                 (want[0], want[1][rows], want[2][rows])):  # fmt: skip
+        if g_true.numel():  # (a rank with no rows has no dW)
+            err = (g_s - g_true).norm() / g_true.norm()
+            assert err < 2e-2, f"{name}: off by {err:.2e} of its size (fp16: ~1e-3)"
+
+
 def _plan_ints_in_the_docs() -> set[int]:
     """The plan all-gather's size as the module docstring and docs/DESIGN.md state it."""
     from fastrl import vocab_parallel as vp
@@ -421,6 +447,7 @@ def _worker(rank, world, store):
             _check_policy(b, rows, group, config="gspo", temperature=b["tau"][:, 0])
             _check_nearly_one_hot(rows, group)
             _check_large_offset(rows, group)
+            _check_fp16_policy(b, rows, group)
             _check_nan_row(b, rows, group)
             _check_masked_shard(b, rows, group, slice(V - sizes[-1], V))
             _check_token_in_a_masked_shard(b, rows, group, slice(V - sizes[-1], V))
