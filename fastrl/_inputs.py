@@ -149,19 +149,23 @@ def check_temperature_rows(
     sync / a graph break): a ValueError naming `temperature`, its shape and the expected shapes
     otherwise."""
     shapes = [(), (T,), (1, T)] if flat else [(), (B,), (B, T)]
-    expected = "() (one for all), (N,) = " if flat else "() (one for all), (B,) = "
-    expected += (
-        f"{(T,)} or {(1, T)} (like tokens)" if flat else f"{(B,)} (one per sequence) or {(B, T)}"
-    )
     if packing is not None:
         shapes.append((packing.num_seqs,))
-        expected += f" or {(packing.num_seqs,)} (one per packed sequence)"
-    if not flat:
-        expected += " (like tokens)"
     ok = isinstance(temperature, Tensor) and tuple(temperature.shape) in shapes
     ok = ok and temperature.is_floating_point()
     ok = ok and temperature.device in (torch.device(device), torch.device("cpu"))
-    if not ok:
+    if not ok:  # (the message is formed here only: torch.compile cannot trace a concatenation
+        # of strings holding symbolic sizes, with dynamic shapes)
+        expected = "() (one for all), (N,) = " if flat else "() (one for all), (B,) = "
+        expected += (
+            f"{(T,)} or {(1, T)} (like tokens)"
+            if flat
+            else f"{(B,)} (one per sequence) or {(B, T)}"
+        )
+        if packing is not None:
+            expected += f" or {(packing.num_seqs,)} (one per packed sequence)"
+        if not flat:
+            expected += " (like tokens)"
         raise ValueError(
             f"temperature as a tensor must be a float tensor of shape {expected}, on {device}"
             f"{'' if torch.device(device).type == 'cpu' else ' or the CPU'}; got "
@@ -355,23 +359,26 @@ def prepare_policy_inputs(
 
     if not isinstance(advantages, Tensor):
         raise ValueError(f"advantages must be a float tensor, got {type(advantages).__name__}")
-    adv_expected = (
-        f"shape {(T,)} or {(1, T)} (like tokens)" if flat else f"shape {(B,)} or {(B, T)}"
-    )
-    if packing is not None:
-        adv_expected += f" or {(packing.num_seqs,)} (one per sequence)"
+
+    def adv_expected() -> str:  # (formed on an error only: see check_temperature_rows)
+        text = f"shape {(T,)} or {(1, T)} (like tokens)" if flat else f"shape {(B,)} or {(B, T)}"
+        per_seq = "" if packing is None else f" or {(packing.num_seqs,)} (one per sequence)"
+        return text + per_seq
+
     if not advantages.is_floating_point() or advantages.device != dev:
-        raise shape_error("advantages", advantages, f"{adv_expected}, a float dtype, device {dev}")
+        raise shape_error(
+            "advantages", advantages, f"{adv_expected()}, a float dtype, device {dev}"
+        )
     if packed_per_sequence("advantages", advantages, packing, T):
         advantages = packing.per_row(advantages)
     if flat:
         if tuple(advantages.shape) not in ((T,), (1, T)):
-            raise shape_error("advantages", advantages, adv_expected)
+            raise shape_error("advantages", advantages, adv_expected())
         advantages = advantages.reshape(1, T)
     elif tuple(advantages.shape) == (B,):
         advantages = advantages.unsqueeze(1).expand(B, T)
     elif tuple(advantages.shape) != (B, T):
-        raise shape_error("advantages", advantages, adv_expected)
+        raise shape_error("advantages", advantages, adv_expected())
 
     old_logp = _per_token("old_logp", old_logp, B, T, flat, dev)
     ref_logp = _per_token("ref_logp", ref_logp, B, T, flat, dev)

@@ -288,15 +288,47 @@ def test_fullgraph_with_dynamic_shapes():
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
     for T in (5, 3):
-        results = []
-        for fn in (compiled, step):
-            x = b["logits"][:, :T].clone().requires_grad_()
-            h, w = hidden[:, :T].clone().requires_grad_(), weight.clone().requires_grad_()
-            loss = fn(x, h, w, b["tokens"][:, :T], b["advantages"], b["old_logp"][:, :T])
-            loss.backward()
-            results.append((loss.detach(), x.grad, h.grad, w.grad))
-        for got, want in zip(*results):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        _check_dynamic_shapes(b, compiled, step, hidden, weight, T)
+
+
+def test_fullgraph_with_dynamic_shapes_per_token_temperature_and_packed_rows():
+    """The same with a per-token temperature tensor and packed rows (cu_seqlens, with
+    max_seqlen: without it the longest sequence is read from cu_seqlens, a data-dependent size
+    fullgraph cannot trace): the messages of their shape checks were concatenated from strings
+    holding symbolic sizes on every call (dynamo: "missing sq_concat"); they are formed on an
+    error only."""
+    b = _batch()
+    tau = 0.5 + torch.rand(3, 6, generator=torch.Generator().manual_seed(1))
+
+    def step(x, h, w, tokens, adv, old):
+        T = tokens.shape[1]
+        out = fastrl.policy_loss(x, tokens, adv, old, config="dapo", temperature=tau[:, :T])
+        lp = fastrl.logprobs(x, tokens, temperature=tau[:, :T])
+        flat = fastrl.policy_loss(x.reshape(-1, x.shape[-1]), tokens.reshape(-1), adv,
+                                  config="dapo", cu_seqlens=cu(T), max_seqlen=T)  # fmt: skip
+        return out.loss + flat.loss + lp.sum()
+
+    def cu(T):
+        return torch.arange(0, 3 * T + 1, T, dtype=torch.int64)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in (5, 3):
+        _check_dynamic_shapes(b, compiled, step, None, None, T)
+
+
+def _check_dynamic_shapes(b, compiled, step, hidden, weight, T):
+    """Loss and gradients of `compiled` equal `step`'s on the batch cut to T tokens."""
+    hidden = torch.randn(3, 5, 8) if hidden is None else hidden
+    weight = torch.randn(23, 8) * 0.5 if weight is None else weight
+    results = []
+    for fn in (compiled, step):
+        x = b["logits"][:, :T].clone().requires_grad_()
+        h, w = hidden[:, :T].clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(x, h, w, b["tokens"][:, :T], b["advantages"], b["old_logp"][:, :T])
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in (x, h, w) if t.grad is not None])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_verls_compiled_entropy_with_fastrl_installed():
