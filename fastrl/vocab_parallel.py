@@ -286,7 +286,10 @@ def merge(local: Tensor, y: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor,
     # have some: -inf, as on one device (its logp_own is -inf - -inf there)
     no_mass = (a_own == float("-inf")) & (log_mass > float("-inf"))
     logp = torch.where(no_mass, float("-inf"), lp_r.gather(0, own)[0] - (log_mass - a_own))
-    m_me = local[2]  # this rank's m_r: log s for its backward is lse - m_r = log S + (M - m_r)
+    # this rank's m_r: log s for its backward is lse - m_r = log S + (M - m_r). A row where this
+    # shard has no mass: m = 0 there (the Triton kernels leave it -inf, and (z' - m) - log s was
+    # (-inf + inf) - inf = NaN), so p_j = exp(-inf - finite) = 0, as the CPU path's row max has it
+    m_me = torch.where(local[3] == float("-inf"), 0.0, local[2])
     return logp, entropy, m_me, log_mass + (top[0] - m_me)
 
 

@@ -8,8 +8,10 @@ once (a spawned process would import them again: seconds each on the CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
+import os
 import re
 from pathlib import Path
 
@@ -243,6 +245,23 @@ def _check_fp16_policy(b, rows, group):
             assert err < 2e-2, f"{name}: off by {err:.2e} of its size (fp16: ~1e-3)"
 
 
+@contextlib.contextmanager
+def _triton_engine():
+    """FASTRL_BACKEND=triton for the block: the Triton kernels (the interpreter on the CPU,
+    TRITON_INTERPRET=1 from tests/conftest.py, inherited by the workers). A row where a shard has
+    no mass (every logit -inf) kept the kernels' m = -inf, and the shard's backward formed
+    (z' - m) - (lse - m) = (-inf + inf) - inf = NaN: every rank's d hidden NaN."""
+    before = os.environ.get("FASTRL_BACKEND")
+    os.environ["FASTRL_BACKEND"] = "triton"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FASTRL_BACKEND"]
+        else:
+            os.environ["FASTRL_BACKEND"] = before
+
+
 def _plan_ints_in_the_docs() -> set[int]:
     """The plan all-gather's size as the module docstring and docs/DESIGN.md state it."""
     from fastrl import vocab_parallel as vp
@@ -451,6 +470,9 @@ def _worker(rank, world, store):
             _check_nan_row(b, rows, group)
             _check_masked_shard(b, rows, group, slice(V - sizes[-1], V))
             _check_token_in_a_masked_shard(b, rows, group, slice(V - sizes[-1], V))
+            with _triton_engine():  # the Triton kernels leave a massless row's max at -inf
+                _check_masked_shard(b, rows, group, slice(V - sizes[-1], V))
+                _check_token_in_a_masked_shard(b, rows, group, slice(V - sizes[-1], V))
             _check_plan_size(b, rows, group)
         _check_no_mask_reads_no_rows(b, rows, group)
         _check_dtensor(b, world)
