@@ -647,19 +647,50 @@ def attach_inplace_grad(loss: Tensor, logits: Tensor, node: Tensor, grad: Tensor
 
 def _storage_region(t: Tensor) -> tuple[Tensor, tuple]:
     """(root, region): the tensor whose storage `t` views (its base, or itself) and the part of
-    it `t` covers: (a, b, lo, hi) with rows a:b when `t` is root[:, a:b] of a contiguous
-    (B, S, V) root (a, b None otherwise) and lo:hi the span of storage elements it reaches."""
+    it `t` covers: ("rows", start, sizes, strides) when `t` is made of whole rows of a
+    contiguous root (its last dim the root's, stride 1, every other stride and its offset in
+    whole rows): the row indices start + sum_k i_k strides_k; else ("span", lo, hi), the storage
+    elements between its first and last."""
     root = t if t._base is None else t._base
     lo = t.storage_offset() - root.storage_offset()
+    V = root.shape[-1] if root.dim() else 0
+    whole_rows = (
+        V > 0 and t.dim() > 0 and root.is_contiguous() and t.shape[-1] == V
+        and (t.stride(-1) == 1 or V == 1) and lo % V == 0
+        and all(st % V == 0 for st in t.stride()[:-1])
+    )  # fmt: skip
+    if whole_rows:
+        strides = tuple(st // V for st in t.stride()[:-1])
+        return root, ("rows", lo // V, tuple(t.shape[:-1]), strides, V)
     hi = lo + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else lo
-    found = _rows_of(t, root)
-    return root, (*(found[1:] if found else (None, None)), lo, hi)
+    return root, ("span", lo, hi)
+
+
+def _row_indices(region: tuple) -> Tensor:
+    """The root's row indices a "rows" region covers, int64 (CPU)."""
+    _, start, sizes, strides, _ = region
+    idx = torch.tensor([start], dtype=torch.int64)
+    for n, st in zip(sizes, strides):
+        idx = (idx[:, None] + torch.arange(n, dtype=torch.int64) * st).reshape(-1)
+    return idx
 
 
 def _overlap(r1: tuple, r2: tuple) -> bool:
-    if None not in r1[:2] and None not in r2[:2]:  # two row slices of one (B, S, V) root
-        return r1[0] < r2[1] and r2[0] < r1[1] and r1[0] < r1[1] and r2[0] < r2[1]
-    return r1[2] < r2[3] and r2[2] < r1[3]
+    """Whether two regions of one root share an element: exactly for whole rows, by span
+    otherwise."""
+    if r1[0] == "rows" and r2[0] == "rows":
+        return bool(torch.isin(_row_indices(r1), _row_indices(r2)).any())
+    spans = []
+    for r in (r1, r2):
+        if r[0] == "rows":
+            rows, V = _row_indices(r), r[4]
+            spans.append((rows * V, rows * V + V) if rows.numel() else None)
+        else:
+            spans.append((torch.tensor([r[1]]), torch.tensor([r[2]])))
+    if spans[0] is None or spans[1] is None:
+        return False
+    (lo1, hi1), (lo2, hi2) = spans
+    return bool(((lo1[:, None] < hi2[None, :]) & (lo2[None, :] < hi1[:, None])).any())
 
 
 def storage_version(t: Tensor) -> int | None:

@@ -453,7 +453,8 @@ def test_reading_overwritten_rows_again_is_refused(second):
     second loss on the same or an overlapping slice, inplace or not, or logprobs): the rows hold
     the first loss's gradient, and the zero-copy slice backward saves nothing autograd's version
     counter checks, so the second loss silently came out of the gradient (d hidden off by 0.17).
-    Now a ValueError at the second call. Rows no fastrl write reached stay readable."""
+    Now a ValueError at the second call. Rows no fastrl write reached stay readable, through
+    any view (a per-sequence slice was once refused: it was compared by storage span)."""
     g = torch.Generator().manual_seed(1)
     B, S, H, V = 2, 12, 4, 30
     hidden, weight = torch.randn(B, S, H, generator=g), torch.randn(V, H, generator=g)
@@ -467,7 +468,12 @@ def test_reading_overwritten_rows_again_is_refused(second):
             fastrl.logprobs(base, tokens)
         else:
             fastrl.policy_loss(base[:, sl], tokens[:, sl], adv, config="dapo", inplace=inplace)
-    fastrl.logprobs(base[:, 6:], tokens[:, 6:])  # untouched rows
+    fastrl.logprobs(base[:, 6:], tokens[:, 6:])  # untouched rows, in any view of them
+    fastrl.logprobs(base[1, :1], tokens[1, :1])
+    fastrl.policy_loss(base[1:2, 6:], tokens[1:2, 6:], adv[1:], config="dapo")
+    fastrl.logprobs(base.reshape(B * S, V)[S + 7 :], tokens.reshape(-1)[S + 7 :])
+    with pytest.raises(ValueError, match="overwritten with a gradient"):
+        fastrl.logprobs(base[1::2, 2:4], tokens[1::2, 2:4])  # (2:4 in sequence 1)
     with torch.no_grad():  # written since (a new forward into the same buffer): readable
         base[:, 1:6] = 0.0
     fastrl.logprobs(base, tokens)
