@@ -36,11 +36,14 @@ def describe(x) -> str:
 
 
 def check_bool(name: str, value) -> bool:
-    """`value` must be a bool (not 1, "yes" or None, which would read as one); else a ValueError
-    naming `name`."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
+    """`value` must be a bool, numpy's included (not 1, "yes" or None, which would read as one);
+    else a ValueError naming `name`. Returns Python's own bool."""
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        raise ValueError(f"{name} must be a bool, got {kind} {value!r}")
+    return bool(value)
 
 
 def check_float(name: str, x, expected: str, shape: tuple | None = None, device=None) -> Tensor:

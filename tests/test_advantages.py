@@ -594,6 +594,10 @@ def test_flags_must_be_bools_and_packed_boundaries_are_checked_first():
     ):
         with pytest.raises(ValueError, match=f"{name} must be a bool"):
             call()
+    import numpy as np  # numpy's bools are bools
+
+    torch.testing.assert_close(fastrl.whiten(x, shift_mean=np.bool_(False)),
+                               fastrl.whiten(x, shift_mean=False))  # fmt: skip
     for bad in (torch.tensor(3), torch.tensor([], dtype=torch.long), torch.tensor([[0, 1, 3]])):
         with pytest.raises(ValueError, match=r"cu_seqlens must be an int32 / int64 tensor"):
             fastrl.group_advantages(torch.tensor([1.0, 0.0]), group_size=2, cu_seqlens=bad)
