@@ -126,8 +126,8 @@ def policy_loss(
     loss on them, a softmax saved for backward, ...), the caller does not read them after
     this call, and backward runs once (no retain_graph double backward). Misuse detected by
     autograd's version counter raises (the write bumps it), as does a later fastrl call that
-    reads the overwritten rows (`policy_loss` on the same or an overlapping slice, `logprobs`:
-    a ValueError at that call); misuse neither can see gives wrong numbers. With a
+    reads the overwritten rows (`policy_loss` on the same or an overlapping slice, `logprobs`,
+    before or after the backward: a ValueError at that call); misuse neither can see gives wrong numbers. With a
     non-contiguous V dimension the gradient lands in the internal copy instead.
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
     sliced to the completion; with a bias, the (B S, V) result F.linear's output views) hand the

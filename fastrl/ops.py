@@ -555,8 +555,9 @@ class _AttachGrads(torch.autograd.Function):
     def backward(ctx, grad_loss):
         _backward_once(ctx)
         grads = ctx.saved_tensors
-        for grad in grads:
-            scale_grad_(grad, grad_loss)
+        with _still_overwritten(ctx):  # (an inplace loss: its rows hold the gradient still)
+            for grad in grads:
+                scale_grad_(grad, grad_loss)
         return (None, None, *grads, *(None for _ in grads))
 
 
@@ -579,7 +580,8 @@ class _AttachBaseGrad(torch.autograd.Function):
     def backward(ctx, grad_loss):
         _backward_once(ctx)
         grad, (S, a, b) = ctx.grad, ctx.rows
-        with torch.no_grad():
+        # (after it, the base holds this gradient, its other rows zeroed, unless shared)
+        with torch.no_grad(), _still_overwritten(ctx, whole=not ctx.shared):
             rows = grad.view(-1, S, grad.shape[-1])  # (B, S, V), whatever the base's shape
             if ctx.shared:
                 full = torch.zeros_like(grad)
@@ -588,7 +590,7 @@ class _AttachBaseGrad(torch.autograd.Function):
             else:
                 rows[:, :a].zero_()  # the prompt rows (and any after b): no gradient
                 rows[:, b:].zero_()
-        scale_grad_(grad, grad_loss)
+            scale_grad_(grad, grad_loss)
         ctx.grad = None  # a kept loss must not keep the (B, S, V) storage alive
         return None, grad, None, None, None
 
@@ -634,15 +636,35 @@ def attach_inplace_grad(loss: Tensor, logits: Tensor, node: Tensor, grad: Tensor
     if rows is not None and earlier is None:
         out = _AttachBaseGrad.apply(loss, *rows)
         base._fastrl_inplace = [out.grad_fn]
-        return out
-    if earlier is not None:
-        for node_ in earlier:  # their rows a:b only: this loss's gradient lives in the base too
-            if isinstance(node_, _AttachBaseGrad._backward_cls):
-                node_.shared = True
-        earlier.append(None)
-    elif base is not None:
-        base._fastrl_inplace = [None]
-    return attach_grads(loss, [node], [grad])
+    else:
+        if earlier is not None:
+            for node_ in earlier:  # their rows a:b only: this loss's gradient is in the base too
+                if isinstance(node_, _AttachBaseGrad._backward_cls):
+                    node_.shared = True
+            earlier.append(None)
+        elif base is not None:
+            base._fastrl_inplace = [None]
+        out = attach_grads(loss, [node], [grad])
+    if grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        out.grad_fn.fastrl_root = logits if base is None else base  # (_still_overwritten)
+    return out
+
+
+@contextlib.contextmanager
+def _still_overwritten(node, whole: bool = False):
+    """Around an inplace loss's backward, which writes its storage again (scales the gradient;
+    zeroes the base's other rows when `whole`): the record of `note_overwritten` follows that
+    write, so that a fastrl read after loss.backward() is refused too (the rows hold the
+    gradient, or zeros), unless something else wrote the storage since the forward."""
+    root = getattr(node, "fastrl_root", None)
+    seen = None if root is None else getattr(root, "_fastrl_overwritten", None)
+    fresh = seen is not None and seen[0] == root._version
+    yield
+    if fresh:
+        regions = [_storage_region(root)[1]] if whole else seen[1]
+        root._fastrl_overwritten = (root._version, regions)
+    if root is not None:
+        node.fastrl_root = None  # (the graph keeps no reference to the logits after backward)
 
 
 def _storage_region(t: Tensor) -> tuple[Tensor, tuple]:

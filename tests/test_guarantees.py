@@ -479,6 +479,39 @@ def test_reading_overwritten_rows_again_is_refused(second):
     fastrl.logprobs(base, tokens)
 
 
+@pytest.mark.parametrize("logits_of", ["slice", "whole", "two slices"])
+def test_reading_the_logits_after_the_backward_is_refused(logits_of):
+    """After loss.backward() the storage an inplace loss wrote holds the scaled gradient (and,
+    for a slice handed on whole, zeros in the base's other rows); the backward's write bumped
+    the version counter, so the forward's record went stale and a fastrl read then went
+    through. The record follows the backward's own write now. A new forward is readable."""
+    g = torch.Generator().manual_seed(1)
+    B, S, H, V = 2, 12, 4, 30
+    hidden, weight = torch.randn(B, S, H, generator=g), torch.randn(V, H, generator=g)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    adv = torch.randn(B, generator=g)
+
+    def forward():
+        return hidden.clone().requires_grad_() @ weight.T
+
+    base = forward()
+    parts = {
+        "slice": [slice(4, 9)],
+        "whole": [slice(None)],
+        "two slices": [slice(1, 5), slice(6, 10)],
+    }
+    loss = sum(
+        fastrl.policy_loss(base if sl == slice(None) else base[:, sl], tokens[:, sl], adv,
+                           config="dapo", inplace=True).loss
+        for sl in parts[logits_of]
+    )  # fmt: skip
+    (2.0 * loss).backward()  # (a scale: the backward writes the storage)
+    read = base[:, 4:9] if logits_of != "slice" else base[:, :4]  # (a slice: its base zeroed)
+    with pytest.raises(ValueError, match="overwritten with a gradient"):
+        fastrl.logprobs(read, tokens[:, 4:9] if logits_of != "slice" else tokens[:, :4])
+    fastrl.logprobs(forward(), tokens)
+
+
 def test_inplace_on_a_slice_compiles():
     """torch.compile(fullgraph=True) of a step with policy_loss(inplace=True) on a slice of the
     lm_head output: the compiled graph takes the slice's own path (the zero-copy base gradient
