@@ -120,14 +120,14 @@ def policy_loss(
 
     inplace=True: this call overwrites the logits' storage with dloss/dlogits (no new (N, V)
     buffer; the gradient that flows back *is* the logits tensor). Safe only when nothing else
-    reads those logits after this call: the logits come from a layer whose
-    backward does not need its output (an lm_head Linear / matmul, possibly followed by slicing or
-    a division by a temperature), no other loss or op in the graph uses the same logits (another
-    loss on them, a softmax saved for backward, ...), the caller does not read them after
-    this call, and backward runs once (no retain_graph double backward). Misuse detected by
-    autograd's version counter raises (the write bumps it), as does a later fastrl call that
-    reads the overwritten rows (`policy_loss` on the same or an overlapping slice, `logprobs`,
-    before or after the backward: a ValueError at that call); misuse neither can see gives wrong numbers. With a
+    reads those logits after this call: the logits come from a layer whose backward does not
+    need its output (an lm_head Linear / matmul, possibly followed by slicing or a division by a
+    temperature), no other loss or op in the graph uses the same logits (another loss on them, a
+    softmax saved for backward, ...), the caller does not read them after this call, and
+    backward runs once (no retain_graph double backward). Misuse detected by autograd's version
+    counter raises (the write bumps it), as does a later fastrl call that reads the overwritten
+    rows (`policy_loss` on the same or an overlapping slice, `logprobs`, before or after the
+    backward: a ValueError at that call); misuse neither can see gives wrong numbers. With a
     non-contiguous V dimension the gradient lands in the internal copy instead.
     Logits that are a slice `base[:, a:b]` of a contiguous (B, S, V) output (the lm_head's,
     sliced to the completion; with a bias, the (B S, V) result F.linear's output views) hand the
