@@ -338,14 +338,8 @@ def fused_linear_policy_loss(
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
     if wants_grad and hidden.dtype == torch.float16:  # the gradient after the loss scale
         with autocast_off:
-            logp, entropy, *_ = linear_token_stats(
-                hidden, weight, bias, x.tokens.reshape(-1), None if mask is None else
-                x.mask.reshape(-1), x.config.temperature, scale, cap, chunk,
-                None if x.temperature_rows is None else x.temperature_rows.reshape(-1),
-                ops.SOURCE_KEY,
-            )  # fmt: skip
-            shape = x.tokens.shape
-            return output_of_logprobs(logp.view(shape), entropy.view(shape), x)
+            logp, entropy = _linear_stats(hidden, weight, bias, x, scale, cap, chunk, mask is None)
+            return output_of_logprobs(logp, entropy, x)
     with autocast_off:
         out, grads = _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap,
                                             chunk, wants_grad, all_rows=mask is None)  # fmt: skip
@@ -360,6 +354,18 @@ def _attach(out: PolicyLossOutput, params, grads, wants_grad) -> PolicyLossOutpu
     return out
 
 
+def _linear_stats(hidden, weight, bias, x, scale, cap, chunk, all_rows):
+    """(logp, H) fp32 shaped like x.tokens of the policy inputs `x` under the LM head, through
+    the differentiable op (`linear_token_stats`: its backward forms dz from the upstream
+    gradient). `all_rows`: no mask was given (the op then reads none: no host sync)."""
+    tau_rows = None if x.temperature_rows is None else x.temperature_rows.reshape(-1)
+    logp, entropy, *_ = linear_token_stats(
+        hidden, weight, bias, x.tokens.reshape(-1), None if all_rows else x.mask.reshape(-1),
+        x.config.temperature, scale, cap, chunk, tau_rows, ops.SOURCE_KEY,
+    )  # fmt: skip
+    return logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
+
+
 def _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap, chunk, wants_grad,
                            all_rows):  # fmt: skip
     """The PolicyLossOutput (loss detached) and, with `wants_grad`, the gradients of
@@ -372,14 +378,7 @@ def _linear_policy_forward(hidden, weight, bias, x, weights, args, scale, cap, c
             scale, cap, chunk, all_rows,
         )  # fmt: skip
     else:
-        flat_tokens = x.tokens.reshape(-1)
-        tau_rows = None if x.temperature_rows is None else x.temperature_rows.reshape(-1)
-        logp, entropy, *_ = linear_token_stats(
-            hidden, weight, bias, flat_tokens, None if all_rows else x.mask.reshape(-1),
-            x.config.temperature, scale,
-            cap, chunk, tau_rows, ops.SOURCE_KEY,
-        )  # fmt: skip
-        logp, entropy = logp.view(x.tokens.shape), entropy.view(x.tokens.shape)
+        logp, entropy = _linear_stats(hidden, weight, bias, x, scale, cap, chunk, all_rows)
     with torch.no_grad():
         out = ops.policy_output(logp, entropy, x, weights)
     if not wants_grad:
@@ -401,9 +400,8 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
             None, tokens, advantages, old_logp, ref_logp, mask, rollout_logp, config, overrides,
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
         )  # fmt: skip
-        tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows
         # no mask given: every row counts, found without reading one (torch.nonzero: a sync)
-        return x, None if mask is None else x.mask, tau
+        return x, None if mask is None else x.mask, vocab_parallel.row_temperature(x)
 
     params = [t for t in (hidden, weight, bias) if isinstance(t, Tensor)]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
@@ -412,11 +410,10 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
     )
     cap = None if softcap is None else float(softcap)
     if wants_grad and hidden.dtype == torch.float16:  # the gradient after the loss scale
-        tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows
         with autocast_off:
             logp, entropy = vocab_parallel.linear_logprobs(
-                hidden, weight, bias, x.tokens, tau if isinstance(tau, float) else
-                tau.reshape(-1), float(logit_scale), cap, plan,
+                hidden, weight, bias, x.tokens, vocab_parallel.row_temperature(x),
+                float(logit_scale), cap, plan,
             )  # fmt: skip
             return output_of_logprobs(logp, entropy, x)
     with autocast_off, torch.no_grad():

@@ -167,20 +167,19 @@ def policy_loss(
         if x.logits.dtype == torch.float16:  # the gradient in the backward, after the loss scale
             logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature, inplace)
             out = output_of_logprobs(logp, entropy, x)
-            if check_finite:
-                _check_finite(out.loss, x.unflatten(logp.detach()), x.unflatten(x.mask))
-            return out
-        weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
-        version = ops.storage_version(logits)
-        logp, entropy, grad = _policy_grad(x, inplace, weights)
-        if inplace:
-            ops.note_overwritten(logits, version, grad)
-        with torch.no_grad():
-            out = ops.policy_output(logp, entropy, x, weights)
-        if inplace and not _compiling():  # a slice base[:, a:b]: the base's storage is handed on
-            out.loss = ops.attach_inplace_grad(out.loss, logits, x.logits, grad)
+            logp = logp.detach()
         else:
-            out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
+            weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
+            version = ops.storage_version(logits)
+            logp, entropy, grad = _policy_grad(x, inplace, weights)
+            if inplace:
+                ops.note_overwritten(logits, version, grad)
+            with torch.no_grad():
+                out = ops.policy_output(logp, entropy, x, weights)
+            if inplace and not _compiling():  # a slice base[:, a:b]: the base's storage handed on
+                out.loss = ops.attach_inplace_grad(out.loss, logits, x.logits, grad)
+            else:
+                out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:
         logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature)
         out = ops.policy_output(logp, entropy, x)

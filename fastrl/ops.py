@@ -629,25 +629,45 @@ def attach_inplace_grad(loss: Tensor, logits: Tensor, node: Tensor, grad: Tensor
     base[:, a:b] (`sliced_rows`; the base's storage handed on whole, see _AttachBaseGrad) and
     no other inplace loss has written into that base; else of `node` (the logits as the graph
     has them) with `grad`, as `attach_grads`. Each base records the inplace losses on it
-    (`_fastrl_inplace`): a second one turns the first's backward to the copying form."""
+    (`_InplaceRecord.losses`): a second one turns the first's backward to the copying form."""
     base = logits._base
-    earlier = None if base is None else getattr(base, "_fastrl_inplace", None)
+    earlier = None if base is None else _record(base).losses
     rows = sliced_rows(logits) if grad.data_ptr() == logits.data_ptr() else None
-    if rows is not None and earlier is None:
+    if rows is not None and not earlier:
         out = _AttachBaseGrad.apply(loss, *rows)
-        base._fastrl_inplace = [out.grad_fn]
+        earlier.append(out.grad_fn)
     else:
+        for node_ in earlier or ():  # their rows a:b only: this loss's gradient is in the base too
+            if isinstance(node_, _AttachBaseGrad._backward_cls):
+                node_.shared = True
         if earlier is not None:
-            for node_ in earlier:  # their rows a:b only: this loss's gradient is in the base too
-                if isinstance(node_, _AttachBaseGrad._backward_cls):
-                    node_.shared = True
             earlier.append(None)
-        elif base is not None:
-            base._fastrl_inplace = [None]
         out = attach_grads(loss, [node], [grad])
     if grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
         out.grad_fn.fastrl_root = logits if base is None else base  # (_still_overwritten)
     return out
+
+
+class _InplaceRecord:
+    """What fastrl's inplace losses wrote into the storage of one root tensor (the base of the
+    logits they were given, or those logits), kept on it as `_fastrl_inplace`:
+    `losses`, one entry per inplace loss on a view of it (the zero-copy slice backward's node,
+    or None: `attach_inplace_grad`); `regions`, the parts of it overwritten with a gradient, and
+    `version`, the storage's version counter after the last such write (`note_overwritten`,
+    `check_not_overwritten`: a record whose version is not the storage's is stale)."""
+
+    __slots__ = ("losses", "regions", "version")
+
+    def __init__(self):
+        self.losses, self.regions, self.version = [], [], None
+
+
+def _record(root: Tensor) -> _InplaceRecord:
+    """`root`'s _InplaceRecord (created empty on first use)."""
+    record = getattr(root, "_fastrl_inplace", None)
+    if record is None:
+        record = root._fastrl_inplace = _InplaceRecord()
+    return record
 
 
 @contextlib.contextmanager
@@ -657,12 +677,13 @@ def _still_overwritten(node, whole: bool = False):
     write, so that a fastrl read after loss.backward() is refused too (the rows hold the
     gradient, or zeros), unless something else wrote the storage since the forward."""
     root = getattr(node, "fastrl_root", None)
-    seen = None if root is None else getattr(root, "_fastrl_overwritten", None)
-    fresh = seen is not None and seen[0] == root._version
+    record = None if root is None else _record(root)
+    fresh = record is not None and record.version == root._version
     yield
     if fresh:
-        regions = [_storage_region(root)[1]] if whole else seen[1]
-        root._fastrl_overwritten = (root._version, regions)
+        if whole:
+            record.regions = [_storage_region(root)[1]]
+        record.version = root._version
     if root is not None:
         node.fastrl_root = None  # (the graph keeps no reference to the logits after backward)
 
@@ -731,9 +752,11 @@ def note_overwritten(logits: Tensor, version_before: int | None, grad: Tensor) -
     if grad.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
         return
     root, region = _storage_region(logits)
-    seen = getattr(root, "_fastrl_overwritten", None)
-    regions = seen[1] if seen is not None and seen[0] == version_before else []
-    root._fastrl_overwritten = (root._version, [*regions, region])
+    record = _record(root)
+    if record.version != version_before:  # stale: the storage was written since
+        record.regions = []
+    record.regions.append(region)
+    record.version = root._version
 
 
 def check_not_overwritten(logits: Tensor, op: str) -> None:
@@ -743,11 +766,12 @@ def check_not_overwritten(logits: Tensor, op: str) -> None:
     nothing autograd's version counter checks, e.g. a second loss on the same slice)."""
     if torch.compiler.is_compiling():
         return
-    root, region = _storage_region(logits)
-    seen = getattr(root, "_fastrl_overwritten", None)
-    if seen is None or seen[0] != root._version:
+    root = logits if logits._base is None else logits._base
+    record = getattr(root, "_fastrl_inplace", None)
+    if record is None or not record.regions or record.version != root._version:
         return
-    if any(_overlap(region, r) for r in seen[1]):
+    region = _storage_region(logits)[1]
+    if any(_overlap(region, r) for r in record.regions):
         raise ValueError(
             f"fastrl.{op}: the logits {tuple(logits.shape)} were overwritten with a gradient by "
             "an earlier fastrl.policy_loss(..., inplace=True) on the same tensor (or an "

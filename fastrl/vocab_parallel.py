@@ -353,13 +353,18 @@ def linear_logprobs(hidden, weight, bias, tokens, temperature, logit_scale, soft
 
 
 # --------------------------------------------------------------------------- the policy loss
+def row_temperature(x):
+    """The temperature of the policy inputs `x` as the shards take it: the float, or the per-row
+    tau as fp32 (N,) (a per-token temperature)."""
+    return x.config.temperature if x.temperature_rows is None else x.temperature_rows.reshape(-1)
+
+
 def policy_grads(hidden, weight, bias, x, scale, cap, plan: Plan, wants_grad: bool):
     """(logp, H) fp32 (B, T) of the policy inputs `x` and, with `wants_grad`, the gradients
     (dX (N, H) summed over the group, dW_r, db_r or None), all in the forward."""
     B, T = x.tokens.shape
     N = B * T
-    # a float, or the per-row tau as fp32 (N,) (each chunk takes its rows, like the tokens)
-    tau = x.config.temperature if x.temperature_rows is None else x.temperature_rows.reshape(N)
+    tau = row_temperature(x)  # (each chunk takes its rows, like the tokens)
     y = x.tokens.reshape(-1).long()
     if not wants_grad or not is_token_separable(x.config):  # one all-gather of (4, R)
         local = torch.stack(_stats(hidden, weight, bias, y, tau, scale, cap, plan))
