@@ -139,7 +139,10 @@ def policy_loss(
     copying form (gradients exact); a third raises autograd's "modified by an inplace operation"
     (use inplace=False for it); one on the same or an overlapping slice is refused (ValueError:
     those rows hold a gradient); under torch.compile, and for fp16 logits (gradient in the
-    backward), the slice's own path is taken.
+    backward), the slice's own path is taken. fp16 logits are written in the backward, so a
+    loss on the same base made *before* the inplace one (whose backward autograd runs after
+    the later-made one's) reads its logits after that write: autograd's "modified by an inplace
+    operation". In fp16, give inplace=True only to the first loss made on a base.
     The default (inplace=False) allocates the gradient and is always autograd-safe.
 
     Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with

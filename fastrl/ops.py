@@ -240,8 +240,10 @@ def _backward(ctx, grad_logp, grad_entropy, grad_m, grad_log_s):
     args = (logits, tokens, logp, m, log_s, entropy, grad_logp, grad_entropy, ctx.temperature,
             tau_rows)  # fmt: skip
     if ctx.inplace:
+        version = storage_version(logits)
         token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)
+        note_overwritten(logits, version, logits)  # (a later fastrl read of them is refused)
         return logits.detach(), None, None, None, None, None
     return token_stats_grad(*args), None, None, None, None, None
 

@@ -479,12 +479,15 @@ def test_reading_overwritten_rows_again_is_refused(second):
     fastrl.logprobs(base, tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("logits_of", ["slice", "whole", "two slices"])
-def test_reading_the_logits_after_the_backward_is_refused(logits_of):
+def test_reading_the_logits_after_the_backward_is_refused(logits_of, dtype):
     """After loss.backward() the storage an inplace loss wrote holds the scaled gradient (and,
     for a slice handed on whole, zeros in the base's other rows); the backward's write bumped
     the version counter, so the forward's record went stale and a fastrl read then went
-    through. The record follows the backward's own write now. A new forward is readable."""
+    through. The record follows the backward's own write now. In fp16 the gradient is written
+    in the backward only (after the loss scale): that write is recorded too (it was not). A new
+    forward is readable."""
     g = torch.Generator().manual_seed(1)
     B, S, H, V = 2, 12, 4, 30
     hidden, weight = torch.randn(B, S, H, generator=g), torch.randn(V, H, generator=g)
@@ -492,7 +495,7 @@ def test_reading_the_logits_after_the_backward_is_refused(logits_of):
     adv = torch.randn(B, generator=g)
 
     def forward():
-        return hidden.clone().requires_grad_() @ weight.T
+        return (hidden.clone().requires_grad_() @ weight.T).to(dtype)
 
     base = forward()
     parts = {
@@ -505,10 +508,28 @@ def test_reading_the_logits_after_the_backward_is_refused(logits_of):
                            config="dapo", inplace=True).loss
         for sl in parts[logits_of]
     )  # fmt: skip
+    if dtype == torch.float16 and logits_of == "two slices":  # (documented: use inplace=False)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()  # the second's backward writes the base before the first reads it
+        h = hidden.clone().requires_grad_()  # documented: inplace=True for the first-made only
+        base = (h @ weight.T).half()
+        loss = sum(
+            fastrl.policy_loss(
+                base[:, sl], tokens[:, sl], adv, config="dapo", inplace=sl.start == 1
+            ).loss
+            for sl in parts[logits_of]
+        )
+        loss.backward()
+        with pytest.raises(ValueError, match="overwritten with a gradient"):
+            fastrl.logprobs(base[:, 1:5], tokens[:, 1:5])
+        fastrl.logprobs(base[:, 6:10], tokens[:, 6:10])  # (the other's: never written)
+        return
     (2.0 * loss).backward()  # (a scale: the backward writes the storage)
-    read = base[:, 4:9] if logits_of != "slice" else base[:, :4]  # (a slice: its base zeroed)
+    if dtype == torch.float16 and logits_of == "slice":  # fp16: the gradient fills 4:9 only
+        fastrl.logprobs(base[:, :4], tokens[:, :4])
+    read = base[:, :4] if logits_of == "slice" and dtype != torch.float16 else base[:, 4:9]
     with pytest.raises(ValueError, match="overwritten with a gradient"):
-        fastrl.logprobs(read, tokens[:, 4:9] if logits_of != "slice" else tokens[:, :4])
+        fastrl.logprobs(read, tokens[:, : read.shape[1]])
     fastrl.logprobs(forward(), tokens)
 
 
