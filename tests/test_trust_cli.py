@@ -125,6 +125,32 @@ def slow(completion, answer):
 """
 
 
+def test_sigterm_to_the_process_group_lets_the_reward_call_finish(tmp_path):
+    """GNU timeout, slurm and `kill -- -PGID` send SIGTERM to the whole process group: the
+    reward worker process ignored only SIGINT, so it died mid-call, and the step the trainer
+    finished (and checkpointed) trained on a failed call's reward of 0 ("1 of 64 reward calls
+    failed"). The worker leaves SIGTERM to the trainer now: the call finishes."""
+    out, marker = tmp_path / "run", tmp_path / "in-step-1"
+    source = SLOW_REWARD.format(metrics=str(out / "metrics.jsonl"), marker=str(marker))
+    (tmp_path / "slow_reward.py").write_text(source)
+    args = ["--reward", "slow_reward:slow", "--reward-timeout", "60", "--steps", "5"]
+    cmd = [sys.executable, "-m", "fastrl.cli", "train", *args, "--save-every", "0",
+           "--out", str(out), *TINY]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        wait_for(proc, marker.exists)  # step 1's slow call is under way in the worker
+        os.killpg(proc.pid, signal.SIGTERM)
+        out_text, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "SIGTERM received: finishing the current step" in err
+    assert "SIGTERM: stopped after step 1" in err
+    assert "died" not in out_text + err and "failed" not in out_text + err, out_text
+
+
 def test_a_second_interrupt_aborts_at_once(tmp_path):
     out, marker = tmp_path / "run", tmp_path / "in-step-1"
     source = SLOW_REWARD.format(metrics=str(out / "metrics.jsonl"), marker=str(marker))

@@ -98,7 +98,12 @@ def _die_with_parent(parent: int) -> None:
 def main(args: list[str]) -> None:
     """The worker: args are the request, response and stack pipe fds and the parent's pid."""
     req_fd, resp_fd, stack_fd, parent = (int(a) for a in args)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    # Ctrl-C and SIGTERM are the trainer's to handle: sent to the whole process group (a
+    # terminal's Ctrl-C, GNU timeout, slurm, `kill -- -PGID`) they reach this worker too, which
+    # must finish the call the trainer's current step waits for (the trainer kills the worker
+    # with SIGKILL when it must; the kernel does when the trainer ends: _die_with_parent)
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
     _die_with_parent(parent)
     stack = os.fdopen(stack_fd, "w")
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
