@@ -15,7 +15,8 @@ generation, rewards, advantages, buffering and logging). Two things change:
    (`trl.trainer.utils.add_fused_lm_head`, there is no switch to turn it off); the drop-in
    replaces that head's computation on the same `model(..., fused_lm_head=True)` call, so
    temperature, `cast_lm_head_to_fp32`, logit scale / softcap, PEFT and MoE aux losses behave
-   as in TRL.
+   as in TRL. Under DeepSpeed ZeRO-3 the partitioned head is gathered for the call and again
+   in its backward (TRL's `maybe_gather_lm_head_ctx`), as TRL's head does.
 2. the loss is SPEC 1-5 (`fastrl.policy_loss_from_logprobs`, the per-token math the fused
    kernels are checked against) on those (B, T) log-probs, with `loss_config_from_trl(args)`
    and TRL's normalisers: grpo / sapo / luspo / bnpo / dr_grpo divide by the gradient
@@ -56,6 +57,7 @@ gradient.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import types
@@ -143,16 +145,16 @@ def add_fastrl_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool, en
         else:
             dtype = hidden.dtype
         tokens = labels.clamp(min=0)
-        with torch.autocast(device_type, enabled=False):
-            if weight.dtype == dtype and (bias is None or bias.dtype == dtype):
+        zero3 = _zero3_enabled()  # a partitioned head: gathered here and again in the backward
+        with torch.autocast(device_type, enabled=False), _gather_head(weight, bias, zero3):
+            if not zero3 and weight.dtype == dtype and (bias is None or bias.dtype == dtype):
                 out = fastrl.linear_logprobs(
                     hidden.to(dtype), weight, tokens, bias=bias, temperature=temperature,
                     entropy=True, mask=mask, logit_scale=logit_scale, softcap=softcap,
                 )  # fmt: skip
             else:  # cast in the forward and again in the backward: no (V, H) copy is saved
-                out = _cast_head_logprobs(
-                    hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale, softcap
-                )
+                out = _cast_head_logprobs(hidden, weight, bias, tokens, mask, dtype, temperature,
+                                          logit_scale, softcap, zero3)  # fmt: skip
         log_probs, ent = out if entropy else (out[0], None)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / count
@@ -175,6 +177,24 @@ def add_fastrl_lm_head(model, temperature: float, cast_lm_head_to_fp32: bool, en
     model.forward = types.MethodType(_forward, model)
 
 
+def _zero3_enabled() -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the model's parameters (transformers' flag, which TRL
+    reads): then lm_head.weight holds no data outside a gather."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def _gather_head(weight, bias, zero3: bool):
+    """TRL's `maybe_gather_lm_head_ctx(weight, bias)` under ZeRO-3 (the partitioned head
+    gathered for a direct read, as TRL's fused head does), else a null context."""
+    if not zero3:
+        return contextlib.nullcontext()
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    return maybe_gather_lm_head_ctx(weight, bias)
+
+
 class _CastHeadLogprobs(torch.autograd.Function):
     """`fastrl.linear_logprobs` of hidden against weight / bias run in `dtype` when their own
     dtype differs (fp32 master weights under bf16 autocast, a bf16 head with
@@ -182,10 +202,13 @@ class _CastHeadLogprobs(torch.autograd.Function):
     graph keeps the tensors it was given (the head's parameters, held anyway) and no (V, H) copy
     between forward and backward, as TRL's ChunkedLogProbFunction (which casts per chunk).
     dW comes from the op in fp32 (each chunk's product formed in fp32, as TRL's) and is cast
-    once, to the weight's dtype: fp32 master weights get the sum unrounded."""
+    once, to the weight's dtype: fp32 master weights get the sum unrounded.
+    `zero3`: a DeepSpeed ZeRO-3 head, partitioned outside a gather: the caller gathers it for
+    the forward, the backward gathers it again (`_gather_head`), as TRL's fused head does."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale, softcap):
+    def forward(ctx, hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale, softcap,
+                zero3):  # fmt: skip
         h, w = hidden.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         chunk = default_chunk(w.shape[0], w.device)
@@ -195,6 +218,7 @@ class _CastHeadLogprobs(torch.autograd.Function):
         del h, w, b
         ctx.save_for_backward(hidden, weight, bias, tokens, mask, logp, m, log_s, ent)
         ctx.args = (dtype, temperature, logit_scale, softcap, chunk)
+        ctx.zero3 = zero3
         ctx.mark_non_differentiable(m, log_s)
         return logp.view(tokens.shape), ent.view(tokens.shape)
 
@@ -205,24 +229,27 @@ class _CastHeadLogprobs(torch.autograd.Function):
         dtype, temperature, logit_scale, softcap, chunk = ctx.args
         if grad_logp is None:
             grad_logp = torch.zeros_like(logp)
-        h, w = hidden.to(dtype), weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False), _gather_head(weight, bias,
+                                                                            ctx.zero3):  # fmt: skip
+            h, w = hidden.to(dtype), weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
             dh, dw, db = linear_token_stats_backward(
                 h, w, b, tokens, mask, logp, m, log_s, ent, grad_logp, grad_entropy,
                 temperature, logit_scale, softcap, chunk, None,
             )  # fmt: skip
-        del h, w, b
+            del h, w, b
+            dw = dw.to(weight.dtype)
+            db = None if bias is None else db.to(bias.dtype)
         dh = dh.view(hidden.shape).to(hidden.dtype)
-        db = None if bias is None else db.to(bias.dtype)
-        return dh, dw.to(weight.dtype), db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None
 
 
 def _cast_head_logprobs(hidden, weight, bias, tokens, mask, dtype, temperature, logit_scale,
-                        softcap):  # fmt: skip
+                        softcap, zero3=False):  # fmt: skip
     """(logp, H) fp32 shaped like tokens: `fastrl.linear_logprobs(hidden, weight, tokens, ...)`
     with hidden, weight and bias cast to `dtype` (its checks of tokens, mask, temperature,
-    logit_scale and softcap), through _CastHeadLogprobs."""
+    logit_scale and softcap), through _CastHeadLogprobs (`zero3`: see there; weight and bias
+    gathered by the caller)."""
     from .._inputs import check_mask, check_number, check_temperature
     from ..linear import _check_tokens
 
@@ -236,7 +263,7 @@ def _cast_head_logprobs(hidden, weight, bias, tokens, mask, dtype, temperature, 
         softcap = check_number("softcap", softcap, "None or a float > 0", lambda c: c > 0)
     return _CastHeadLogprobs.apply(
         hidden, weight, bias, tokens, mask, dtype, check_temperature(temperature),
-        float(logit_scale), softcap,
+        float(logit_scale), softcap, zero3,
     )  # fmt: skip
 
 
