@@ -395,6 +395,17 @@ def test_out_holding_a_run_is_refused_before_the_model_loads(tmp_path, capsys, n
     assert (out / "metrics.jsonl").read_text() == '{"step": 0, "eval_accuracy": 0.0}\n'
 
 
+def test_out_holding_only_tensorboard_events_is_refused(tmp_path, capsys, no_model_load):
+    """A run starting over deletes OUT/tensorboard whole, so an --out holding only that folder
+    is a run's too: it was let through without --force and the events were deleted."""
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard" / "events").write_text("keep")
+    rc, _, err = run_cli(capsys, "--out", str(out), "--steps", "1", *TINY)
+    assert rc == 2 and f"--out '{out}' already holds a run" in err and "tensorboard" in err
+    assert no_model_load == [] and (out / "tensorboard" / "events").read_text() == "keep"
+
+
 def test_out_that_cannot_be_created_is_refused_up_front(tmp_path, capsys, no_model_load):
     (tmp_path / "a_file").write_text("not a directory")
     for out in (tmp_path / "a_file" / "run", tmp_path / "a_file" / "deeper" / "run"):

@@ -23,7 +23,7 @@ def resume_command(out: str, world: int) -> str:
     return f"{launcher} train --resume {shlex.quote(out)}"
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png")
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "curves.png", "tensorboard")
 """What a run writes under --out (a directory holding any of them holds a run)."""
 
 
