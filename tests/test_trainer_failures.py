@@ -308,6 +308,35 @@ def test_systemexit_in_the_reward_stops_the_run_with_a_checkpoint(
         assert (a / f).read_bytes() == (b / f).read_bytes()
 
 
+EXITS_IN_STEP_1 = """
+import os
+from fastrl.train.rewards import exact_match
+calls = [0]
+
+def exits(completion, answer):
+    calls[0] += 1
+    if calls[0] > 8 and os.path.exists("exit-flag"):  # 8 eval calls at step 0, then RL step 1
+        raise SystemExit(3)
+    return exact_match(completion, answer)
+"""
+
+
+def test_resuming_from_a_step_0_checkpoint_logs_step_0_once(reward_module, tmp_path, capsys):
+    """A reward that stops the run in step 1 leaves a checkpoint of step 0; its resume kept the
+    step-0 eval record and evaluated step 0 again: metrics.jsonl held step 0 twice (an audit
+    helper's find). The resume now rewrites it, as it rewrites what came after a checkpoint."""
+    name = reward_module("rw_exits_in_step_1", EXITS_IN_STEP_1)
+    (tmp_path / "exit-flag").write_text("")
+    out = tmp_path / "run"
+    args = ["--steps", "2", "--save-every", "0", "--eval-every", "100", *TINY]
+    assert main(["train", "--reward", f"{name}:exits", "--out", str(out), *args]) == 1
+    assert "checkpoint of step 0 saved" in capsys.readouterr().err
+    assert ckpt_dirs(out) == ["step-000000"] and steps_of(out) == [0]
+    (tmp_path / "exit-flag").unlink()
+    assert main(["train", "--resume", str(out)]) == 0
+    assert steps_of(out) == [0, 1, 2]
+
+
 def test_all_zero_rewards_are_called_out(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "never"}\n')

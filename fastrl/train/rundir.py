@@ -76,8 +76,9 @@ def make_out_dir(out: str) -> None:
 def start_run_files(cfg: TrainConfig, step: int, log) -> None:
     """Rank 0, once the run is set up at `step`: remove what an earlier run left in --out
     (--force; a resume in place keeps it), write config.json, and drop the metrics records
-    after `step` (a resume rewrites what came after its checkpoint; its TensorBoard events
-    after `step` are purged when the writer opens: `tensorboard_purge_step`)."""
+    after `step` (a resume rewrites what came after its checkpoint, and a resume at step 0 its
+    step-0 eval; its TensorBoard events from there are purged when the writer opens:
+    `tensorboard_purge_step`)."""
     if not resumes_in_place(cfg):
         shutil.rmtree(os.path.join(cfg.out, "checkpoints"), ignore_errors=True)
         shutil.rmtree(os.path.join(cfg.out, TENSORBOARD), ignore_errors=True)
@@ -86,10 +87,16 @@ def start_run_files(cfg: TrainConfig, step: int, log) -> None:
                 os.unlink(os.path.join(cfg.out, name))
     write_json_atomic(os.path.join(cfg.out, "config.json"), cfg.to_dict())
     if cfg.resume:
-        truncate_metrics(os.path.join(cfg.out, METRICS), step, log)
+        truncate_metrics(os.path.join(cfg.out, METRICS), _last_kept(step), log)
+
+
+def _last_kept(step: int) -> int:
+    """The last step whose records a run resumed at `step` keeps: `step`, except at step 0,
+    whose eval every run starting at step 0 makes (and logs) again."""
+    return step if step > 0 else -1
 
 
 def tensorboard_purge_step(cfg: TrainConfig, step: int) -> int | None:
     """The first step whose TensorBoard events a run resumed at `step` rewrites (SummaryWriter's
     purge_step: the earlier run's events from there on are dropped), None for a fresh run."""
-    return step + 1 if cfg.resume else None
+    return _last_kept(step) + 1 if cfg.resume else None
