@@ -218,7 +218,17 @@ def test_resume_through_the_cli(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["steps"] == 3
     # no such run: an error that says so, not a fresh run
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert f"--resume '{tmp_path / 'missing'}' does not exist" in capsys.readouterr().err
+    # a checkpoint, or its hf/ export (whose config.json is the model's: its `dtype` was read
+    # as fastrl's --dtype), named instead of the run: an error that names the run directory
+    for inside in ("checkpoints/step-000002", "checkpoints/step-000002/hf"):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(out / inside)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            "not a fastrl run" in err
+            and f"the run directory (the run's --out), here '{out}'" in err
+        )
 
 
 def test_bench_runs_the_benchmark_on_given_shapes(tmp_path):

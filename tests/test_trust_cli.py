@@ -425,6 +425,18 @@ def test_empty_prompt_exits_2_naming_file_and_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--task", "--eval-file"])
+def test_a_missing_task_or_eval_file_is_named_by_its_option(tmp_path, capsys, flag):
+    """A missing --eval-file was reported as "task file ... does not exist"."""
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    task = ["--task", str(good)] if flag == "--eval-file" else []
+    missing = str(tmp_path / "missing.jsonl")
+    rc, _, err = run_cli(capsys, flag, missing, *task, "--out", str(tmp_path / "o"), *TINY)
+    assert rc == 2
+    assert f"{flag} {missing!r} does not exist" in err or f"{flag} file {missing!r}" in err
+
+
+@pytest.mark.parametrize("flag", ["--task", "--eval-file"])
 def test_non_utf8_task_file_names_file_and_line(tmp_path, capsys, flag):
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "1+1=", "answer": "2"}\n')

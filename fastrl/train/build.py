@@ -262,7 +262,7 @@ def eval_examples(cfg: TrainConfig, task: Task, log) -> list[Example]:
     training lines), else the built-in task's own eval stream (not held out: see
     TrainConfig.eval_file)."""
     if cfg.eval_file:
-        return load_jsonl(cfg.eval_file)[: cfg.eval_size]
+        return load_jsonl(cfg.eval_file, "--eval-file")[: cfg.eval_size]
     if isinstance(task, JsonlTask):
         held = task.hold_out(cfg.eval_split, cfg.eval_size, cfg.seed)
         if held:

@@ -315,6 +315,16 @@ def _file_value(value, f: dataclasses.Field, action: argparse.Action, where: str
     return value
 
 
+def _run_dir_hint(resume: str) -> str:
+    """For a --resume path inside a run's checkpoints/ folder (a checkpoint, or its hf/ export):
+    the run directory to name instead."""
+    parts = os.path.abspath(resume).split(os.sep)
+    if "checkpoints" not in parts[1:]:
+        return ""
+    run = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index("checkpoints")])
+    return f"; --resume takes the run directory (the run's --out), here {run!r}"
+
+
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of parsed `fastrl train` arguments: defaults, then the --config file,
     then the flags given; under --resume, the run's config.json with RESUME_OVERRIDABLE ones."""
@@ -327,8 +337,13 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     resume = given.get("resume")
     if resume:
         path = os.path.join(resume, "config.json")
+        if not os.path.exists(resume):
+            raise ValueError(f"--resume {resume!r} does not exist{_run_dir_hint(resume)}")
         if not os.path.isfile(path):
-            raise ValueError(f"--resume {resume!r}: no config.json in it (not a fastrl run dir)")
+            raise ValueError(
+                f"--resume {resume!r}: no config.json in it (not a fastrl run dir)"
+                f"{_run_dir_hint(resume)}"
+            )
         try:
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f)
@@ -336,6 +351,11 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"--resume: {path} is not valid JSON ({e})") from e
         if not isinstance(saved, dict):
             raise ValueError(f"--resume: {path} is not a JSON object of TrainConfig options")
+        if not {"algo", "out", "steps"} <= saved.keys():  # e.g. a checkpoint's hf/ model config
+            raise ValueError(
+                f"--resume {resume!r}: its config.json is not a fastrl run's (no algo / out / "
+                f"steps options){_run_dir_hint(resume)}"
+            )
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         base = {k: v for k, v in saved.items() if k in known}
         ignored = sorted(

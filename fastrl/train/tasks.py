@@ -202,18 +202,19 @@ class JsonlTask(Task):
         return out
 
 
-def load_jsonl(path: str) -> list[Example]:
+def load_jsonl(path: str, what: str = "--task file") -> list[Example]:
     """Examples from a JSONL file (UTF-8); a malformed line (not UTF-8, not JSON, no prompt or an
-    empty one, no answer) raises ValueError naming the file and the line number."""
+    empty one, no answer) raises ValueError naming the file and the line number. `what`: the
+    file's name in the errors about the whole file (the option it came from)."""
     if not os.path.exists(path):
-        raise ValueError(f"task file {path!r} does not exist")
+        raise ValueError(f"{what} {path!r} does not exist")
     if not os.path.isfile(path):
-        raise ValueError(f"task file {path!r} is not a file")
+        raise ValueError(f"{what} {path!r} is not a file")
     examples = []
     try:
         f = open(path, "rb")
     except OSError as e:
-        raise ValueError(f"task file {path!r} cannot be read: {e.strerror}") from e
+        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from e
     with f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -239,7 +240,7 @@ def load_jsonl(path: str) -> list[Example]:
                 raise ValueError(f'{path}:{lineno}: missing "answer"')
             examples.append(Example(obj["prompt"], str(obj["answer"])))
     if not examples:
-        raise ValueError(f"task file {path!r} has no examples")
+        raise ValueError(f"{what} {path!r} has no examples")
     return examples
 
 
