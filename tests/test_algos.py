@@ -157,3 +157,26 @@ def test_group_rows_are_spec_group_advantages_by_group_size():
             -0.5 / s2, 0, 0, 0, 0]  # fmt: skip
     torch.testing.assert_close(adv, torch.tensor(want), **TOL)
     assert trained.tolist() == [True, False] + [True] * 6 + [False] * 4
+
+
+def test_group_advantages_scale_follows_scale_rewards():
+    """--loss dr_grpo trained on Dr.GRPO's aggregation with the std-scaled advantages of GRPO
+    (an audit helper's find): --scale-rewards (auto: none for dr_grpo, group otherwise) picks
+    SPEC 7's scale, against the plain-PyTorch oracle."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 2.0, 2.0])
+    mask = torch.ones(8, 3)
+    cases = [
+        (dict(), "group"),
+        (dict(loss="dr_grpo"), "none"),
+        (dict(scale_rewards="none"), "none"),
+        (dict(loss="dr_grpo", scale_rewards="group"), "group"),
+        (dict(algo="dapo"), "group"),
+    ]
+    for fields, scale in cases:
+        cfg = TrainConfig(group_size=4, **fields)
+        cfg.validate()
+        adv, _ = algos.group_rows(cfg, loss_config(cfg), rewards, mask, ref=False)
+        want = ref.group_advantages(rewards, group_size=4, scale=scale)
+        torch.testing.assert_close(adv, want, **TOL, msg=str(fields))
+    assert not torch.allclose(*(ref.group_advantages(rewards, group_size=4, scale=s)
+                                for s in ("group", "none")))  # fmt: skip

@@ -69,6 +69,8 @@ def test_bench_help_names_the_script(capsys):
         # ppo reads --kl-coef as reward shaping: the grpo preset's in-loss KL would stay
         (["--algo", "ppo", "--loss", "grpo", "--kl-coef", "0"], "--kl-coef=0.0 is invalid"),
         (["--algo", "ppo", "--loss", "grpo", "--beta", "0.1"], "in-loss KL"),
+        (["--scale-rewards", "batch"], "invalid choice"),
+        (["--algo", "ppo", "--scale-rewards", "none"], "--scale-rewards='none' is invalid"),
         (
             ["--device", "cuda:7"]
             if not __import__("torch").cuda.is_available()

@@ -18,6 +18,7 @@ from tiny_run import TINY, TINY_FIELDS
 import fastrl
 from fastrl.cli import build_parser, config_from_args, main
 from fastrl.train import checkpoint as ckpt_io
+from fastrl.train.config import TrainConfig
 from fastrl.train.tasks import get_task
 from fastrl.train.trainer import Trainer, read_metrics
 
@@ -446,3 +447,17 @@ def test_non_utf8_task_file_names_file_and_line(tmp_path, capsys, flag):
     rc, _, err = run_cli(capsys, flag, str(f), *task, "--out", str(tmp_path / "o"), *TINY)
     assert rc == 2
     assert f"{f}:2: not UTF-8 text" in err
+
+
+def test_a_run_from_before_scale_rewards_resumes_as_it_ran(tmp_path):
+    """--scale-rewards auto means none for --loss dr_grpo; runs saved before the option trained
+    dr_grpo on group-scaled advantages, and a resume of one keeps them (config.json has no
+    scale_rewards)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = TrainConfig(loss="dr_grpo", out=str(out)).to_dict()
+    del saved["scale_rewards"]
+    (out / "config.json").write_text(json.dumps(saved))
+    cfg = parse("--resume", str(out))
+    assert cfg.scale_rewards == "group" and cfg.advantage_scale == "group"
+    assert TrainConfig(loss="dr_grpo").advantage_scale == "none"

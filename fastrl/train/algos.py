@@ -69,8 +69,9 @@ def dapo_select(cfg: TrainConfig, r: Rollout, rewards: Tensor, room: int):
 
 def group_rows(cfg: TrainConfig, loss_cfg, rewards: Tensor, mask: Tensor, ref: bool):
     """grpo / dapo: (advantages (N,) on mask's device: `group_advantages` of the rewards (N,) in
-    groups of group_size, `trained_rows` of them)."""
-    adv = group_advantages(rewards, group_size=cfg.group_size).to(mask.device)
+    groups of group_size, scaled as --scale-rewards says, `trained_rows` of them)."""
+    adv = group_advantages(rewards, group_size=cfg.group_size, scale=cfg.advantage_scale)
+    adv = adv.to(mask.device)
     return adv, trained_rows(cfg, loss_cfg, adv, mask, ref)
 
 

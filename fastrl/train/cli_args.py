@@ -122,6 +122,7 @@ CHOICES = {
     "lr_schedule": config_module.LR_SCHEDULES,
     "dtype": config_module.TRAIN_DTYPES,
     "report_to": config_module.REPORT_TO,
+    "scale_rewards": config_module.SCALE_REWARDS,
 }
 
 
@@ -358,6 +359,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
             )
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         base = {k: v for k, v in saved.items() if k in known}
+        base.setdefault("scale_rewards", "group")  # a run from before the option: as it ran
         ignored = sorted(
             k
             for k in given

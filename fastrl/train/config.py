@@ -13,6 +13,7 @@ ALGOS = ("ppo", "grpo", "dapo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRAIN_DTYPES = ("auto", "fp32", "bf16")
 REPORT_TO = ("none", "tensorboard")
+SCALE_REWARDS = ("auto", "group", "none")
 
 
 @dataclass
@@ -39,6 +40,12 @@ class TrainConfig:
     token-mean for `--algo grpo` with no --loss (every counted token of the step weighs the
     same, TRL's default loss_type "dapo"; the GRPO paper's per-sequence mean learned more
     slowly on the side-by-side benchmark), otherwise the --loss preset's own."""
+
+    scale_rewards: str = "auto"
+    """grpo / dapo: what the group advantages R - mean_g are divided by (SPEC 7, TRL's
+    scale_rewards): `group` (the group's std + 1e-6) or `none` (R - mean_g, as Dr.GRPO).
+    `auto`: none with --loss dr_grpo (Dr.GRPO drops both the length and the std normalisation),
+    group otherwise. ppo (GAE advantages): must be auto."""
 
     model: str | None = None
     """A local Hugging Face causal LM directory (save_pretrained output). None: the embedded
@@ -323,6 +330,13 @@ class TrainConfig:
             return self.minibatches
         return 2 if self.algo == "ppo" else 1
 
+    @property
+    def advantage_scale(self) -> str:
+        """--scale-rewards resolved: `group_advantages`' scale, "group" or "none"."""
+        if self.scale_rewards != "auto":
+            return self.scale_rewards
+        return "none" if self.loss == "dr_grpo" else "group"
+
     def validate(self) -> None:
         """Raise ValueError naming the option and what to fix."""
 
@@ -363,9 +377,12 @@ class TrainConfig:
             ("lr_schedule", LR_SCHEDULES),
             ("dtype", TRAIN_DTYPES),
             ("report_to", REPORT_TO),
+            ("scale_rewards", SCALE_REWARDS),
         ):
             if getattr(self, name) not in choices:
                 raise bad(name, "one of " + ", ".join(choices))
+        if self.algo == "ppo" and self.scale_rewards != "auto":
+            raise bad("scale_rewards", "auto with --algo ppo (its advantages are GAE's)")
         if self.loss is not None and self.loss not in PRESETS:
             raise bad("loss", "None or a LossConfig preset: " + ", ".join(PRESETS))
         if self.loss_agg is not None and self.loss_agg not in AGGS:
