@@ -185,10 +185,12 @@ class TrainConfig:
     default)."""
 
     max_grad_norm: float = 1.0
-    """Gradient clipping (global L2 norm)."""
+    """Gradient clipping: each model's gradient scaled to at most this L2 norm over all of its
+    parameters (the policy's, and ppo's critic's on its own; also the warm-up's)."""
 
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay, on every parameter of the policy and critic (biases and norm weights
+    included: there are no separate parameter groups)."""
 
     adam_beta1: float = 0.9
     """AdamW beta1 (the decay of the gradient's running mean)."""
