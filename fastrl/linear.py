@@ -38,6 +38,7 @@ from torch import Tensor
 from . import ops, vocab_parallel
 from ._inputs import (
     FLOAT_DTYPES,
+    check_bool,
     check_int,
     check_mask,
     check_number,
@@ -190,6 +191,7 @@ def linear_logprobs(
     Packed sequences (`cu_seqlens` (S + 1,) with (N, H) hidden) are accepted and checked; rows
     are independent, so the result is the same as without."""
     chunk_size = check_int("chunk_size", chunk_size, optional=True)  # numpy's integers too
+    entropy = check_bool("entropy", entropy)
     if cu_seqlens is not None:
         if not (isinstance(tokens, Tensor) and tokens.dim() == 1):
             raise ValueError(

@@ -147,6 +147,7 @@ def policy_loss(
 
     Backend: CUDA -> Triton kernels; CPU -> chunked torch path (bounded memory); override with
     env FASTRL_BACKEND=triton|torch (see fastrl.ops)."""
+    inplace, check_finite = check_bool("inplace", inplace), check_bool("check_finite", check_finite)
     check_range = False if _compiling() else None  # None: check the values on CPU only
     x = prepare_policy_inputs(
         logits,

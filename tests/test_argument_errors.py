@@ -88,6 +88,14 @@ def test_flags_must_be_bools(bad):
     """logprobs(entropy="yes") returned (logp, H) for any truthy value."""
     with pytest.raises(ValueError, match="entropy must be a bool"):
         fastrl.logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), entropy=bad)
+    # policy_loss(inplace="False") overwrote the caller's logits, check_finite="no" checked,
+    # linear_logprobs(entropy="False") returned (logp, H) (an audit helper's find)
+    logits, tokens, adv = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.ones(2)
+    for flag in ("inplace", "check_finite"):
+        with pytest.raises(ValueError, match=f"{flag} must be a bool"):
+            fastrl.policy_loss(logits.clone().requires_grad_(), tokens, adv, **{flag: bad})
+    with pytest.raises(ValueError, match="entropy must be a bool"):
+        fastrl.linear_logprobs(torch.randn(2, 3, 4), torch.randn(5, 4), tokens, entropy=bad)
     pytest.importorskip("verl")
     import fastrl.integrations.verl as fastrl_verl
 
