@@ -48,7 +48,7 @@ Reported per row:
   comm_MB        MiB communicated per call, from fastrl.vocab_parallel's docstring: the
                  all-gather of 4 fp32 per counted row per rank (16 * N * P bytes; per chunk of
                  rows for a token-separable config, once for all rows otherwise), the all-reduce
-                 of d hidden (N * H * itemsize) and the plan's all-gather of 13 int64 per rank
+                 of d hidden (N * H * itemsize) and the plan's all-gather of 18 int64 per rank
                  (comm_allgather_B, comm_allreduce_B, comm_plan_B); logits_MB (N * V * itemsize)
                  is what gathering the logits instead would move
   comm_ms        the same collectives alone (same sizes, same count), timed like total_ms

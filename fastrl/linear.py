@@ -258,7 +258,7 @@ def _linear_logprobs_vp(hidden, weight, tokens, bias, temperature, entropy, mask
         tau = tau if tau_rows is None else tau_rows  # a float, or fp32 (N,) per row
         m = None if mask is None else check_mask("mask", mask, tuple(tokens.shape),
                                                  tokens.device, as_float=False)  # fmt: skip
-        return tau, m, tau
+        return tau, m, tau, vocab_parallel.call_constants(logit_scale, softcap)
 
     params = [t for t in (hidden, weight, bias) if isinstance(t, Tensor)]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
@@ -403,7 +403,8 @@ def _fused_linear_policy_loss_vp(hidden, weight, tokens, advantages, old_logp, r
             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, temperature_tensor=True,
         )  # fmt: skip
         # no mask given: every row counts, found without reading one (torch.nonzero: a sync)
-        return x, None if mask is None else x.mask, vocab_parallel.row_temperature(x)
+        consts = vocab_parallel.call_constants(logit_scale, softcap, x.config)
+        return x, None if mask is None else x.mask, vocab_parallel.row_temperature(x), consts
 
     params = [t for t in (hidden, weight, bias) if isinstance(t, Tensor)]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)

@@ -32,12 +32,14 @@ dz_r = (1/tau)[g (1[j = y] - p_j) - h p_j (log p_j + H)]
 per-token inputs), where only the owner has the 1[j = y] entry; dW_r = dz_r^T X and db_r stay
 local, and dX = sum_r dz_r W_r is one all-reduce (SUM) of N x H values in hidden's dtype.
 
-Collectives per call: one all-gather of 13 int64 per rank (an input-check flag, the shard index,
+Collectives per call: one all-gather of 18 int64 per rank (an input-check flag, the shard index,
 the shard size, N, the counted rows, the chunk size, the token min and max, 2 for the
-temperature's fingerprint, hidden's width H and dtype, and whether a gradient is wanted: the one
+temperature's fingerprint, hidden's width H and dtype, whether a gradient is wanted, 2 for the
+counted rows' fingerprint, and the logit scale, softcap and loss config's fingerprint: the one
 host read of the call) that checks the inputs are replicated (so that every rank takes the same
-collectives) and gives the offsets; then `linear_logprobs`: forward one all-gather of (4, R)
-fp32 (R = rows whose mask is not 0), backward one all-reduce of dX (N, H);
+collectives and merges the same rows) and gives the offsets; then `linear_logprobs`: forward
+one all-gather of (4, R) fp32 (R = rows whose mask is not 0), backward one all-reduce of dX
+(N, H);
 `fused_linear_policy_loss` with a token-separable config: one (4, chunk) all-gather per chunk of
 rows (three GEMMs per chunk, the gradient in the forward) and the dX all-reduce; sequence-level
 options: one (4, R) all-gather, then the gradient pass (four GEMMs per chunk) and the dX
@@ -52,6 +54,7 @@ torch.compile graph-breaks around it (`fullgraph=True` raises).
 from __future__ import annotations
 
 import sys
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +139,7 @@ def resolve(weight, bias, group):
     return weight, bias, group, dist.get_rank(group)
 
 
-PLAN_INTS = 13  # int64 per rank in the plan's all-gather (`plan`)
+PLAN_INTS = 18  # int64 per rank in the plan's all-gather (`plan`)
 MERGE_FLOATS = 4  # fp32 per counted row per rank in a merge's all-gather (`merge`)
 
 
@@ -171,19 +174,29 @@ def _fingerprint(tau, device) -> Tensor:
     return torch.stack([t.sum(), (t * i).sum()]).to(device).view(torch.int64)
 
 
+def call_constants(logit_scale, softcap, config=None) -> tuple[float, float, float]:
+    """The floats of a call every rank must share, as `plan`'s check returns them: the logit
+    scale, the softcap (0: none) and a fingerprint of the LossConfig (0: none; the CRC-32 of its
+    repr, stable across processes, unlike hash())."""
+    code = 0.0 if config is None else float(zlib.crc32(repr(config).encode()))
+    return float(logit_scale), 0.0 if softcap is None else float(softcap), code
+
+
 def plan(
     group, shard_index: int, check, weight, tokens, chunk_size, hidden, wants_grad: bool
 ) -> tuple[object, Plan]:
-    """Run `check()` -> (result, mask or None, temperature) and exchange what every rank must
-    agree on: one all-gather of 13 int64 per rank and one host read. A failed check is raised on
-    every rank (the failing rank's own message on it), so that no rank waits in a collective
-    for one that raised; so are inputs that differ across ranks (sizes, token range, the
-    temperature, hidden's width and dtype, whether a gradient is wanted: each changes the
-    collectives a rank takes, and a mismatch would hang or abort) and tokens outside [0, V)."""
+    """Run `check()` -> (result, mask or None, temperature, `call_constants(...)`) and exchange
+    what every rank must agree on: one all-gather of PLAN_INTS int64 per rank and one host read.
+    A failed check is raised on every rank (the failing rank's own message on it), so that no
+    rank waits in a collective for one that raised; so are inputs that differ across ranks
+    (sizes, token range, the temperature, hidden's width and dtype, whether a gradient is
+    wanted, which rows count, the logit scale, softcap and loss config: each changes the
+    collectives a rank takes or the rows and logits it merges, and a mismatch would hang, abort
+    or merge different numbers) and tokens outside [0, V)."""
     P, me = dist.get_world_size(group), dist.get_rank(group)
     device = weight.device if isinstance(weight, Tensor) else torch.device("cpu")
     try:
-        result, mask, tau = check()
+        result, mask, tau, constants = check()
         N = tokens.numel()
         active = _active_rows(mask, N, device)
         info = [1, shard_index, weight.shape[0], N, active.numel(), chunk_size or 0]
@@ -194,11 +207,15 @@ def plan(
     if error is None:
         dtype = _DTYPES.index(hidden.dtype) if hidden.dtype in _DTYPES else len(_DTYPES)
         agreed = [hidden.shape[-1], dtype, int(wants_grad)]
-    mine = torch.tensor(info + [0, -1, 0, 0] + agreed, dtype=torch.int64, device=device)
+    mine = torch.tensor(info + [0, -1, 0, 0] + agreed + [0] * 5, dtype=torch.int64, device=device)
     if error is None and tokens.numel():
         mine[6:8] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
     if error is None:
         mine[8:10] = _fingerprint(tau, device)
+        rows_counted = active.double()  # which rows count: sum i and sum i^2 (exact in fp64)
+        both = torch.stack([rows_counted.sum(), (rows_counted * rows_counted).sum()])
+        mine[13:15] = both.to(device).view(torch.int64)
+        mine[15:18] = torch.tensor(constants, dtype=torch.float64, device=device).view(torch.int64)
     table = mine.new_empty(P, mine.numel())
     dist.all_gather(list(table.unbind(0)), mine, group=group)
     rows = table.tolist()
@@ -224,6 +241,17 @@ def plan(
             f"temperature differs across ranks: it must be the same float, or the same (N,) "
             f"per-token tensor, on every rank of the group {where}"
         )
+    if len({tuple(r[13:15]) for r in rows}) > 1:
+        raise ValueError(
+            f"the counted rows (mask != 0) differ across ranks: the mask must be the same on "
+            f"every rank of the group {where}"
+        )
+    for col, what in ((15, "logit_scale"), (16, "softcap"), (17, "the loss config")):
+        if len({r[col] for r in rows}) > 1:
+            raise ValueError(
+                f"{what} differs across ranks: every rank must make the same call (the same "
+                f"logit_scale, softcap and config / overrides) {where}"
+            )
     agreed = ((10, "hidden's width H", int), (11, "hidden's dtype", _dtype_name),
               (12, "whether a gradient is wanted", bool))  # fmt: skip
     for col, what, show in agreed:

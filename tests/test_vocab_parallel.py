@@ -417,6 +417,26 @@ def _check_bad_inputs(b, rows, group, rank):
     mask = mask.view_as(b["mask"])
     with pytest.raises(ValueError, match="the counted rows differs across ranks"):
         fastrl.linear_logprobs(b["hidden"], w, b["tokens"], bias=bias, mask=mask, group=group)
+    # an audit helper's finds: the same number of counted rows at other positions, a logit
+    # scale or softcap of its own merged different numbers silently; another loss config
+    # (GSPO's one all-gather against DAPO's one per chunk) aborted in a mismatched collective
+    mask = b["mask"].clone().reshape(-1)
+    first_on, first_off = mask.nonzero()[0], (~mask).nonzero()[0]
+    if rank == 1:  # one counted row moved
+        mask[first_on], mask[first_off] = False, True
+    with pytest.raises(ValueError, match=r"the counted rows \(mask != 0\) differ across ranks"):
+        fastrl.linear_logprobs(b["hidden"], w, b["tokens"], bias=bias,
+                               mask=mask.view_as(b["mask"]), group=group)  # fmt: skip
+    for name, value in (("logit_scale", 1.0 + rank), ("softcap", 10.0 + rank)):
+        with pytest.raises(ValueError, match=f"{name} differs across ranks"):
+            fastrl.linear_logprobs(b["hidden"], w, b["tokens"], bias=bias, group=group,
+                                   **{name: value})  # fmt: skip
+    with pytest.raises(ValueError, match="the loss config differs across ranks"):
+        fastrl.fused_linear_policy_loss(b["hidden"], w, b["tokens"], b["adv"], bias=bias,
+                                        config="gspo" if rank else "dapo", group=group)  # fmt: skip
+    with pytest.raises(ValueError, match="the loss config differs across ranks"):
+        fastrl.fused_linear_policy_loss(b["hidden"], w, b["tokens"], b["adv"], bias=bias,
+                                        clip_high=0.2 + 0.1 * rank, group=group)  # fmt: skip
 
 
 def _check_no_mask_reads_no_rows(b, rows, group):
