@@ -231,6 +231,12 @@ def test_resume_through_the_cli(tmp_path, capsys):
             "not a fastrl run" in err
             and f"the run directory (the run's --out), here '{out}'" in err
         )
+    # runs kept under a folder named checkpoints: no run directory is guessed for a typo
+    (tmp_path / "checkpoints" / "partial").mkdir(parents=True)
+    for path in ("checkpoints/typo", "checkpoints/partial"):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(tmp_path / path)]) == 2
+        assert "the run directory" not in capsys.readouterr().err
 
 
 def test_bench_runs_the_benchmark_on_given_shapes(tmp_path):

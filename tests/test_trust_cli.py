@@ -461,3 +461,9 @@ def test_a_run_from_before_scale_rewards_resumes_as_it_ran(tmp_path):
     cfg = parse("--resume", str(out))
     assert cfg.scale_rewards == "group" and cfg.advantage_scale == "group"
     assert TrainConfig(loss="dr_grpo").advantage_scale == "none"
+    # a ppo run (group was refused there: the resume exited 2; the validation helper's find)
+    for algo, loss in (("ppo", None), ("ppo", "dr_grpo"), ("grpo", None)):
+        saved = TrainConfig(algo=algo, loss=loss, out=str(out)).to_dict()
+        del saved["scale_rewards"]
+        (out / "config.json").write_text(json.dumps(saved))
+        assert parse("--resume", str(out)).scale_rewards == "auto"

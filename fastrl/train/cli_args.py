@@ -323,6 +323,8 @@ def _run_dir_hint(resume: str) -> str:
     if "checkpoints" not in parts[1:]:
         return ""
     run = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index("checkpoints")])
+    if not os.path.isfile(os.path.join(run, "config.json")):  # a folder named so, not a run's
+        return ""
     return f"; --resume takes the run directory (the run's --out), here {run!r}"
 
 
@@ -359,7 +361,10 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
             )
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         base = {k: v for k, v in saved.items() if k in known}
-        base.setdefault("scale_rewards", "group")  # a run from before the option: as it ran
+        # a run from before --scale-rewards: as it ran (dr_grpo's std-scaled advantages; auto is
+        # the same for every other loss, and all ppo takes)
+        dr_grpo = saved.get("loss") == "dr_grpo" and saved.get("algo") != "ppo"
+        base.setdefault("scale_rewards", "group" if dr_grpo else "auto")
         ignored = sorted(
             k
             for k in given
