@@ -354,12 +354,14 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"--resume: {path} is not valid JSON ({e})") from e
         if not isinstance(saved, dict):
             raise ValueError(f"--resume: {path} is not a JSON object of TrainConfig options")
-        if not {"algo", "out", "steps"} <= saved.keys():  # e.g. a checkpoint's hf/ model config
-            raise ValueError(
-                f"--resume {resume!r}: its config.json is not a fastrl run's (no algo / out / "
-                f"steps options){_run_dir_hint(resume)}"
-            )
         known = {f.name for f in dataclasses.fields(TrainConfig)}
+        model = "model_type" in saved or "architectures" in saved  # e.g. a checkpoint's hf/
+        if model or not known & saved.keys():
+            raise ValueError(
+                f"--resume {resume!r}: its config.json is not a fastrl run's ("
+                f"{'a model config' if model else 'no fastrl option in it'})"
+                f"{_run_dir_hint(resume)}"
+            )
         base = {k: v for k, v in saved.items() if k in known}
         # a run from before --scale-rewards: as it ran (dr_grpo's std-scaled advantages; auto is
         # the same for every other loss, and all ppo takes)
