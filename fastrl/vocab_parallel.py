@@ -164,9 +164,9 @@ class Plan:
 
 
 def _fingerprint(tau, device) -> Tensor:
-    """(2,) int64, equal on two ranks when their temperatures are (a float, or fp32 (N,) per
-    row): the float64 bits of tau and 0, or of sum_i tau_i and sum_i (i + 1) tau_i (on the
-    device: no host read of its own)."""
+    """(2,) int64, equal on two ranks when their `tau` are (a float, or a tensor: the per-row
+    temperatures, the counted rows' indices): the float64 bits of tau and 0, or of sum_i tau_i
+    and sum_i (i + 1) tau_i (on the device: no host read of its own)."""
     if not isinstance(tau, Tensor):
         return torch.tensor([float(tau), 0.0], dtype=torch.float64, device=device).view(torch.int64)
     t = tau.reshape(-1).double()
@@ -212,9 +212,7 @@ def plan(
         mine[6:8] = torch.stack(torch.aminmax(tokens.reshape(-1))).long()
     if error is None:
         mine[8:10] = _fingerprint(tau, device)
-        rows_counted = active.double()  # which rows count: sum i and sum i^2 (exact in fp64)
-        both = torch.stack([rows_counted.sum(), (rows_counted * rows_counted).sum()])
-        mine[13:15] = both.to(device).view(torch.int64)
+        mine[13:15] = _fingerprint(active.double(), device)  # which rows count
         mine[15:18] = torch.tensor(constants, dtype=torch.float64, device=device).view(torch.int64)
     table = mine.new_empty(P, mine.numel())
     dist.all_gather(list(table.unbind(0)), mine, group=group)
