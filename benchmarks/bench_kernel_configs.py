@@ -28,7 +28,9 @@ Rows (kind):
                  gradient kernel) and `one-pass (FASTRL_ONE_PASS=1)` (the one-pass kernel), its A/B
   profile        one e2e call under torch.profiler: each CUDA kernel's count and time, and the
                  host's wall time per call against the device's (a launch-bound call shows the
-                 host slower); the same for fastrl.sample on 256 rows (decode's shape)
+                 host slower); the same for fastrl.sample on 256 rows (decode's shape); then
+                 the host side of an e2e call under cProfile (`host V=...`: the functions with
+                 the most self time per call, _common.host_profile)
   fusion         the one-pass kernel at its launcher's configuration with fp fusion on and off
                  (the cost of launch.EXACT_PRODUCTS)
 Each timed row: median ms (q20, q80) and n_samples by _common.time_fn on CUDA (do_bench's
@@ -240,6 +242,10 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
         with override(None):
             notes[f"profile V={V}"] = _profile(e2e)
         print(notes[f"profile V={V}"], flush=True)
+        save()
+        with override(None):
+            notes[f"host V={V}"] = common.host_profile(e2e)
+        print(notes[f"host V={V}"], flush=True)
         save()
 
         sample_rows = logits[0, :256]  # the sampler at decode's shape: few rows, one read each

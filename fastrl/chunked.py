@@ -15,12 +15,14 @@ The backend interface (the same names as the Triton launchers in fastrl/kernels/
                                               SPEC 6's dL/dz into `out`, p_j from `shifted` =
                                               (m, log s), exactly at any offset (lse unread)
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
-  stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
+  stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms, skip)
                                               statistics, then (g, h), then dL/dz into `out`: here
                                               with one exp per logit, in ONE pass for a
                                               token-separable loss (`one_pass_`, g and h per
                                               chunk), else two (`stats_e`, then `finish_`;
-                                              bf16 / fp16: e formed again in the second)
+                                              bf16 / fp16: e formed again in the second); logp
+                                              and H are 0 where the mask `skip` is 0 (the
+                                              Triton kernels do not read those rows)
 
 Gradient in the forward, with ONE exp per logit: pass 1 writes e = exp(z' - m) (z' = z / tau,
 m = max z') while it reduces the row (s = sum e, sum e (z' - m), z'_y); pass 2 turns e into dL/dz
@@ -549,20 +551,29 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature, logits=None):
     return out
 
 
-def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, row_terms=None):
+def stats_and_grad_(
+    logits, tokens, temperature, grad_fn, out, rows_grads=None, row_terms=None, skip=None
+):
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
     `logits`) from (g, h) = grad_fn(logp, H) (all rows at once). `rows_grads`: None, or (for a
     token-separable loss) a function returning rows_grad_fn(r0, r1, logp, H) -> (g, h) of rows
     r0:r1 alone: then each chunk is finished in the pass that reduces it (`one_pass_`).
-    temperature: a float, or a (B, T) tensor of per-row temperatures. `row_terms` (the Triton
-    one-pass kernel's loss description) is not used here: the interface is the kernels'."""
+    temperature: a float, or a (B, T) tensor of per-row temperatures. `skip`: None, or the
+    loss's mask (B * T elements): logp and H are returned as 0 where it is 0, as the Triton
+    kernels give them (which do not read those rows); the gradient there is 0 either way
+    (g = h = 0). `row_terms` (the Triton one-pass kernel's loss description) is not used
+    here: the interface is the kernels'."""
     if rows_grads is not None:
-        return one_pass_(logits, tokens, temperature, rows_grads(), out)
-    park = keeps_e(out)  # else pass 2 forms e again from the logits (bf16 / fp16: exact then)
-    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None)
-    g, h = grad_fn(logp, entropy)
-    finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature,
-            None if park else logits)  # fmt: skip
+        logp, entropy = one_pass_(logits, tokens, temperature, rows_grads(), out)
+    else:
+        park = keeps_e(out)  # else pass 2 forms e again from the logits (bf16 / fp16: exact)
+        logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None)
+        g, h = grad_fn(logp, entropy)
+        finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature,
+                None if park else logits)  # fmt: skip
+    if skip is not None:
+        counted = skip.reshape(logp.shape) > 0
+        logp, entropy = (torch.where(counted, t, 0.0) for t in (logp, entropy))
     return logp, entropy
 
 

@@ -108,7 +108,9 @@ def policy_loss(
     global token count of 16384). bf16 has fp32's range and keeps the one-pass path.
 
     Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like
-    tokens, fp32, detached), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
+    tokens, fp32, detached; 0 at a token whose mask is 0: such a row reaches neither the loss
+    nor its gradient, and the Triton kernels do not read it, as fused_linear_policy_loss skips
+    it; its ratio is 1), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
     clipfrac_high, dualclip_frac, approx_kl, kl, entropy, ratio_mean, ratio_max, and
     is_weight_mean / is_weight_max / is_clipfrac with rollout IS: the mean of the weights
     applied, after the cap; the largest weight before it, to show how far the sampler
@@ -170,7 +172,7 @@ def policy_loss(
             _check_inplace(logits)
         if x.logits.dtype == torch.float16:  # the gradient in the backward, after the loss scale
             logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature, inplace)
-            out = output_of_logprobs(logp, entropy, x)
+            out = output_of_logprobs(logp, entropy, x)  # (0 at masked tokens, as below)
             logp = logp.detach()
         else:
             weights = ops.loss_weights(x)  # (formed once: the op and the loss's value take them)
@@ -185,7 +187,7 @@ def policy_loss(
             else:
                 out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:
-        logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature)
+        logp, entropy = _zero_masked(*ops.token_logprobs(x.logits, x.tokens, x.temperature), x)
         out = ops.policy_output(logp, entropy, x)
     if check_finite:
         _check_finite(out.loss, x.unflatten(logp), x.unflatten(x.mask))
@@ -240,6 +242,14 @@ def policy_loss_from_logprobs(
     lp = logp.float().reshape(x.mask.shape)
     ent = torch.zeros_like(lp) if entropy is None else entropy.float().reshape(x.mask.shape)
     return output_of_logprobs(lp, ent, x)  # (masked tokens cut from the graph)
+
+
+def _zero_masked(logp: Tensor, entropy: Tensor, x) -> tuple[Tensor, Tensor]:
+    """logp and H (x's (B, T) layout) with 0 where x's mask is 0: what the fused op returns
+    there on every backend (the Triton kernels do not read a masked row), for the no-gradient
+    path, which takes them from `ops.token_logprobs` (`output_of_logprobs` does the same)."""
+    counted = x.mask > 0
+    return torch.where(counted, logp, 0.0), torch.where(counted, entropy, 0.0)
 
 
 def _policy_grad(x, inplace: bool, weights):

@@ -358,7 +358,9 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
     pass over the logits when the loss is token-separable (then it finishes rows chunk by chunk
     with `rows_grads`); on Triton the statistics kernel, (g, h) from one O(N) kernel of
     `row_terms` (token-separable; else from grad_fn, torch) and the gradient kernel, or with
-    FASTRL_ONE_PASS=1 the one-pass kernel."""
+    FASTRL_ONE_PASS=1 the one-pass kernel. A row whose mask is 0 reaches neither the loss nor
+    its gradient: the Triton kernels do not read it, and every backend returns logp = H = 0
+    there (and a zero gradient row)."""
     from .terms import aggregation_weights, is_token_separable, token_grad_terms
 
     def grad_fn(lp, ent):  # (g, h) of every row
@@ -388,7 +390,9 @@ def stats_and_grad_(logits: Tensor, tokens: Tensor, temperature, x, out: Tensor,
 
     kernels = backend(logits.device)
     tau = temperature_arg(temperature)
-    return kernels.stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms)
+    return kernels.stats_and_grad_(
+        logits, tokens, tau, grad_fn, out, rows_grads, row_terms, skip=x.mask
+    )
 
 
 # --------------------------------------------------------------------------- loss and metrics

@@ -510,13 +510,14 @@ def output_of_logprobs(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> Policy
     differentiable w.r.t. them, its gradient left to their backward.
 
     What the mask excludes never reaches the loss or its gradient: at a masked token the
-    per-token math gets a detached copy of logp (and H). The loss never reads it there (every
-    sum is masked), but a NaN / -inf value gives an inf in exp's or a product's backward, and
-    0 * inf = NaN would reach the caller's logp (and through its backward the model's weights);
-    a detached branch hands nothing back. Same values: the outputs (logp, entropy, kl) are
+    per-token math gets 0 for logp (and H), as the fused losses report them there (they do not
+    read a masked row). The loss never reads it there (every sum is masked), but a NaN / -inf
+    value would give an inf in exp's or a product's backward, and 0 * inf = NaN would reach the
+    caller's logp (and through its backward the model's weights); torch.where's backward hands
+    a masked entry 0. Same values: the outputs (logp, entropy, kl: 0 at masked tokens) are
     those of the fused losses on the same log-probs."""
     counted = x.mask > 0
-    lp, ent = (torch.where(counted, t, t.detach()) for t in (logp, entropy))
+    lp, ent = (torch.where(counted, t, 0.0) for t in (logp, entropy))
     return policy_output(lp, ent, x)
 
 

@@ -79,12 +79,14 @@ def launcher_calls():
                 for row_temp in (False, True):  # a scalar or a per-row (tensor) temperature
                     rt = ", row_temp=True" if row_temp else ""
                     for sms in SM_COUNTS:
-                        for shift in (False, True):
+                        # (the policy loss skips masked rows, and always with shift)
+                        for shift, skip in ((False, False), (True, False), (True, True)):
                             for cfg in row_stats_configs(
-                                N, V, dtype, sms, row_temp=row_temp, shift=shift
+                                N, V, dtype, sms, row_temp=row_temp, shift=shift, skip=skip
                             ):
                                 yield (
-                                    f"row_stats(N={N}, V={V}, {dt}, sms={sms}{rt}, shift={shift})",
+                                    f"row_stats(N={N}, V={V}, {dt}, sms={sms}{rt}, shift={shift}"
+                                    f", skip={skip})",
                                     cfg,
                                 )
                         for greedy in (False, True) if not row_temp else (False,):

@@ -10,6 +10,9 @@ token, lse = logsumexp(z'), p_j = exp(z'_j - lse), logp = z'_y - lse, H = lse - 
   end), so a block costs one cross-thread max, and the exponentials are single MUFU.EX2
   instructions (softmax._exp2): about 12 SASS instructions per logit on sm_90a against 30 when
   every block was reduced to scalars (benchmarks/kernel_report.py counts them).
+* With SKIP_MASKED (the policy loss: `stats_and_grad_`'s `skip`), a row whose mask m_t is 0,
+  which reaches neither the loss nor its gradient, is not read: its logp, H, lse, m and log s
+  are stored as 0 (a masked row costs 20 bytes of stores instead of V logits read).
 * split-V (`_token_stats_split_fwd_kernel` + `_token_stats_merge_fwd_kernel`): when there are few
   rows and a long vocabulary, SPLITS programs per row each reduce one slice of it to partial
   (max, sum-exp, sum exp * shift) and a merge kernel combines them exactly, so a small batch
@@ -116,8 +119,10 @@ def _token_stats_fwd_kernel(
     stride_logits_t,
     inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
     inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    mask_ptr,  # (B * T,) fp32: the loss's mask m_t (read only when SKIP_MASKED)
     ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     STORE_SHIFT: tl.constexpr,  # also write m and log s, for an exact gradient kernel
+    SKIP_MASKED: tl.constexpr,  # a row with m_t = 0 is not read: its outputs are 0
     BLOCK_V: tl.constexpr,
 ):
     # one program per row (grid (B * T,)): one online pass over the whole row keeps, relative
@@ -126,16 +131,43 @@ def _token_stats_fwd_kernel(
     # whatever the offset of the logits or the temperature. With STORE_SHIFT, m and log s
     # themselves: the gradient kernel then forms log p_j = (z'_j - m) - log s, exact at any
     # offset (from lse, rounded at |lse|'s scale, an entry is ~6e-8 |lse| off).
+    # With SKIP_MASKED a masked row (m_t = 0: it reaches neither the loss nor its gradient)
+    # costs two stores instead of a pass over its V logits.
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
-    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-    m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
-    _, _, _, log_s = _token_stats_store(
-        row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
-    )
+    if _row_counted(mask_ptr, row, SKIP_MASKED):
+        row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+        m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
+        _, _, _, log_s = _token_stats_store(
+            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
+        )
+        if STORE_SHIFT:
+            tl.store(shift_ptr + row, m)
+            tl.store(log_s_ptr + row, log_s)
+    else:
+        _masked_row_store(logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row, STORE_SHIFT)
+
+
+@triton.jit
+def _row_counted(mask_ptr, row, SKIP_MASKED: tl.constexpr):
+    # Whether row `row` is read: always, or with SKIP_MASKED only where its mask m_t > 0.
+    counted = True
+    if SKIP_MASKED:
+        counted = tl.load(mask_ptr + row) > 0.0  # (as `x.mask > 0`: counted)
+    return counted
+
+
+@triton.jit
+def _masked_row_store(logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row,
+                      STORE_SHIFT: tl.constexpr):  # fmt: skip
+    # The outputs of a row that SKIP_MASKED does not read: logp = H = lse (= m + log s) = 0. Its
+    # g = h = 0 (c_t = 0), so the gradient kernel writes its zeros without reading the logits.
+    tl.store(logp_ptr + row, 0.0)
+    tl.store(entropy_ptr + row, 0.0)
+    tl.store(lse_ptr + row, 0.0)
     if STORE_SHIFT:
-        tl.store(shift_ptr + row, m)
-        tl.store(log_s_ptr + row, log_s)
+        tl.store(shift_ptr + row, 0.0)
+        tl.store(log_s_ptr + row, 0.0)
 
 
 @triton.jit
@@ -171,7 +203,9 @@ def _token_stats_split_fwd_kernel(
     stride_logits_t,
     inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
     inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    mask_ptr,  # (B * T,) fp32: the loss's mask m_t (read only when SKIP_MASKED)
     ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
+    SKIP_MASKED: tl.constexpr,  # a row with m_t = 0 is not read (nor its partials written)
     BLOCK_V: tl.constexpr,
 ):
     # split-V stage 1, grid (B * T, SPLITS): program (row, k) reduces the slice
@@ -179,12 +213,15 @@ def _token_stats_split_fwd_kernel(
     # _row_stats_sweep; _token_stats_merge_fwd_kernel combines them per row.
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
-    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
-    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-    lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
-    m, s, w, n_nan = _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V)
-    _lse_store_partials(part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + split, m, s, w, n_nan)
+    if _row_counted(mask_ptr, row, SKIP_MASKED):
+        row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        m, s, w, n_nan = _row_stats_sweep(row_ptr, lo, hi, inv_temp, BLOCK_V)
+        _lse_store_partials(
+            part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + split, m, s, w, n_nan
+        )
 
 
 @triton.jit
@@ -206,29 +243,34 @@ def _token_stats_merge_fwd_kernel(
     stride_logits_t,
     inv_temp,  # fp32 scalar, 1 / tau (unused when ROW_TEMP)
     inv_temp_ptr,  # (B * T,) fp32: 1 / tau_t of each row (read only when ROW_TEMP)
+    mask_ptr,  # (B * T,) fp32: the loss's mask m_t (read only when SKIP_MASKED)
     ROW_TEMP: tl.constexpr,  # per-row temperature: inv_temp = inv_temp_ptr[row]
     STORE_SHIFT: tl.constexpr,  # also write m and log s (as _token_stats_fwd_kernel)
+    SKIP_MASKED: tl.constexpr,  # a row with m_t = 0: every output 0, its partials not read
     BLOCK_S: tl.constexpr,
 ):
     # split-V stage 2, grid (B * T,): the log-sum-exp merge (softmax._lse_merge_partials) of a
     # row's SPLITS partials, BLOCK_S at a time, then the outputs of _token_stats_fwd_kernel
     # (the partials are already in z' units; inv_temp scales z_y only).
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
-    inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-    m, s, w, n_nan = _lse_init()
-    ks = tl.arange(0, BLOCK_S)
-    for start in range(0, SPLITS, BLOCK_S):
-        k = start + ks
-        m, s, w, n_nan = _lse_merge_partials(
-            m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + k, k < SPLITS
+    if _row_counted(mask_ptr, row, SKIP_MASKED):
+        row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+        m, s, w, n_nan = _lse_init()
+        ks = tl.arange(0, BLOCK_S)
+        for start in range(0, SPLITS, BLOCK_S):
+            k = start + ks
+            m, s, w, n_nan = _lse_merge_partials(
+                m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + k, k < SPLITS
+            )
+        _, _, _, log_s = _token_stats_store(
+            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
         )
-    _, _, _, log_s = _token_stats_store(
-        row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
-    )
-    if STORE_SHIFT:
-        tl.store(shift_ptr + row, m)
-        tl.store(log_s_ptr + row, log_s)
+        if STORE_SHIFT:
+            tl.store(shift_ptr + row, m)
+            tl.store(log_s_ptr + row, log_s)
+    else:
+        _masked_row_store(logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row, STORE_SHIFT)
 
 
 @triton.jit
@@ -313,11 +355,7 @@ def _row_grad_store(
     cols = tl.arange(0, BLOCK_V)
     whole = V // BLOCK_V * BLOCK_V  # whole blocks (no mask), then the masked rest
     if (g == 0.0) & (h == 0.0):
-        zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty)
-        for start in range(0, whole, BLOCK_V):
-            tl.store(out_ptr + start + cols, zeros)
-        if whole < V:
-            tl.store(out_ptr + whole + cols, zeros, mask=whole + cols < V)
+        _zero_row_store(out_ptr, V, BLOCK_V)
     else:
         p_y = tl.exp(logp)
         d_y = g * (1.0 - p_y)
@@ -340,6 +378,18 @@ def _row_grad_store(
             d = _grad_block(z, inv_temp, shift, log_s, entropy, gc, hc, HAS_GRAD_ENTROPY)
             d = tl.where(offs == y_col, d_y, d)
             tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _zero_row_store(out_ptr, V, BLOCK_V: tl.constexpr):
+    # out_ptr[0:V] = 0 (a row whose gradient is 0: nothing of it is read)
+    cols = tl.arange(0, BLOCK_V)
+    whole = V // BLOCK_V * BLOCK_V  # whole blocks (no mask), then the masked rest
+    zeros = tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty)
+    for start in range(0, whole, BLOCK_V):
+        tl.store(out_ptr + start + cols, zeros)
+    if whole < V:
+        tl.store(out_ptr + whole + cols, zeros, mask=whole + cols < V)
 
 
 @triton.jit
@@ -369,6 +419,7 @@ def _policy_loss_fwd_kernel(
     old_ptr,  # (B * T,) fp32: old_logp (read only when has_old)
     ref_ptr,  # (B * T,) fp32: ref_logp (read only when kl_est >= 0)
     is_weight_ptr,  # (B * T,) fp32: rollout IS weight w_t, detached (read only when has_is)
+    mask_ptr,  # (B * T,) fp32: the mask m_t; a row with m_t = 0 is not read (outputs 0)
     N,  # rows, B * T
     T,
     V,
@@ -402,24 +453,30 @@ def _policy_loss_fwd_kernel(
     # second kernel and no O(N) autograd between them. Grid (G,): program p takes rows p, p + G,
     # ... (G = N by default, `_rows_in_flight`: a persistent grid small enough for the second
     # sweep to hit L2 starved HBM of bytes in flight on an H200).
+    # A masked row (m_t = 0) is not read: its outputs and its gradient row are zeros.
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
-        row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
-        inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
-        m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
-        logp, lse, entropy, log_s = _token_stats_store(
-            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
-        )
-        g, h = _token_grads(
-            row, row < N, logp, weight_ptr, adv_ptr, old_ptr, ref_ptr, is_weight_ptr, has_old,
-            has_is, policy, ratio_lo, ratio_hi, has_dual, clip_dual, clip_delta, kl_coef, kl_est,
-            kl_bias, entropy_coef, sapo_tau_pos, sapo_tau_neg,
-        )  # fmt: skip
-        y = tl.load(tokens_ptr + row).to(tl.int64)
         out_ptr = _row_ptr(grad_ptr, row, T, stride_grad_b, stride_grad_t)
-        _row_grad_store(
-            row_ptr, out_ptr, V, y, logp, m, log_s, entropy, g, h, inv_temp, HAS_GRAD_ENTROPY,
-            BLOCK_V,
-        )  # fmt: skip
+        if _row_counted(mask_ptr, row, True):
+            row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
+            inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
+            m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
+            logp, lse, entropy, log_s = _token_stats_store(
+                row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w,
+                n_nan,
+            )  # fmt: skip
+            g, h = _token_grads(
+                row, row < N, logp, weight_ptr, adv_ptr, old_ptr, ref_ptr, is_weight_ptr,
+                has_old, has_is, policy, ratio_lo, ratio_hi, has_dual, clip_dual, clip_delta,
+                kl_coef, kl_est, kl_bias, entropy_coef, sapo_tau_pos, sapo_tau_neg,
+            )  # fmt: skip
+            y = tl.load(tokens_ptr + row).to(tl.int64)
+            _row_grad_store(
+                row_ptr, out_ptr, V, y, logp, m, log_s, entropy, g, h, inv_temp,
+                HAS_GRAD_ENTROPY, BLOCK_V,
+            )  # fmt: skip
+        else:
+            _masked_row_store(logp_ptr, entropy_ptr, lse_ptr, lse_ptr, lse_ptr, row, False)
+            _zero_row_store(out_ptr, V, BLOCK_V)
 
 
 # --------------------------------------------------------------------------- launch configurations
@@ -484,26 +541,29 @@ def row_stats_configs(
     tokens_dtype: torch.dtype = torch.int64,
     row_temp: bool = False,
     shift: bool = False,
+    skip: bool = False,
 ) -> tuple[LaunchConfig, ...]:
     """The launches of `row_stats` for N rows of V logits of `dtype` on a device with
     `device_sms` SMs: (one program per row,) or (split-V stage 1, stage 2) (_split_config;
     `split_chunk` forces it as in row_stats); `row_temp`: a temperature per row (ROW_TEMP);
-    `shift`: the kernel that writes lse also writes m and log s (STORE_SHIFT).
-    Example arguments: logits (1, N, V) contiguous."""
+    `shift`: the kernel that writes lse also writes m and log s (STORE_SHIFT); `skip`: rows
+    whose mask is 0 are not read (SKIP_MASKED). Example arguments: logits (1, N, V)
+    contiguous."""
     block, _ = _launch_config(V)
     splits, chunk = _split_config(N, V, block, device_sms, split_chunk)  # not cached: tests spy
-    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk, bool(row_temp), bool(shift))
+    flags = (bool(row_temp), bool(shift), bool(skip))
+    return _row_stats_configs(N, V, dtype, tokens_dtype, splits, chunk, *flags)
 
 
 @functools.lru_cache(maxsize=256)
 def _row_stats_configs(
-    N, V, dtype, tokens_dtype, splits, chunk, row_temp, shift=False
+    N, V, dtype, tokens_dtype, splits, chunk, row_temp, shift=False, skip=False
 ) -> tuple[LaunchConfig, ...]:
     block, num_warps = _stats_launch_config(V)
     logits = {"logits_ptr": Ptr(dtype)}
     shape = {"T": N, "V": V}
     strides = {"stride_logits_b": N * V, "stride_logits_t": V}
-    temp = {"inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32)}
+    temp = {"inv_temp": 1.0, "inv_temp_ptr": Ptr(_F32), "mask_ptr": Ptr(_F32)}
     stats = {"logp_ptr": Ptr(_F32), "entropy_ptr": Ptr(_F32), "lse_ptr": Ptr(_F32)}
     tokens = {"tokens_ptr": Ptr(tokens_dtype)}
     shifts = {"shift_ptr": Ptr(_F32), "log_s_ptr": Ptr(_F32)}
@@ -517,6 +577,7 @@ def _row_stats_configs(
                 args,
                 ROW_TEMP=row_temp,
                 STORE_SHIFT=shift,
+                SKIP_MASKED=skip,
                 BLOCK_V=block,
                 options=EXACT_PRODUCTS,
             ),
@@ -534,11 +595,11 @@ def _row_stats_configs(
     return (
         config(
             _token_stats_split_fwd_kernel, (N, splits), num_warps, split_args, ROW_TEMP=row_temp,
-            BLOCK_V=block, options=EXACT_PRODUCTS,
+            SKIP_MASKED=skip, BLOCK_V=block, options=EXACT_PRODUCTS,
         ),
         config(
             _token_stats_merge_fwd_kernel, (N,), warps_s, merge_args, ROW_TEMP=row_temp,
-            STORE_SHIFT=shift, BLOCK_S=block_s, options=EXACT_PRODUCTS,
+            STORE_SHIFT=shift, SKIP_MASKED=skip, BLOCK_S=block_s, options=EXACT_PRODUCTS,
         ),
     )  # fmt: skip
 
@@ -629,7 +690,8 @@ def _policy_rows_configs(N, V, dtype, has_grad_entropy, tokens_dtype, row_temp, 
         num_warps = 4
     rows = {k: Ptr(_F32) for k in ("logp_ptr", "entropy_ptr", "lse_ptr")}
     inputs = {
-        k: Ptr(_F32) for k in ("weight_ptr", "adv_ptr", "old_ptr", "ref_ptr", "is_weight_ptr")
+        k: Ptr(_F32)
+        for k in ("weight_ptr", "adv_ptr", "old_ptr", "ref_ptr", "is_weight_ptr", "mask_ptr")
     }
     args = {
         "logits_ptr": Ptr(dtype), "tokens_ptr": Ptr(tokens_dtype), **rows, "grad_ptr": Ptr(dtype),
@@ -672,6 +734,7 @@ def row_stats(
     *,
     split_chunk: int | None = None,
     shift: bool = False,
+    skip: torch.Tensor | None = None,
 ):
     """lse, logp and entropy of every row in one pass.
 
@@ -681,7 +744,9 @@ def row_stats(
     split-V kernels (see _split_config; `split_chunk` forces the choice: 0 = one program per
     row, k > 0 = slices of k logits); both paths agree to fp32 rounding. With `shift`, returns
     (logp, entropy, lse, shifted): shifted = (m, log s) fp32 (B, T) of each row (lse = m +
-    log s), for row_grad_'s exact p_j (None when N = 0)."""
+    log s), for row_grad_'s exact p_j (None when N = 0). `skip`: None, or the loss's mask
+    (B * T elements, any float dtype): a row whose mask is 0 is not read, and every output of it
+    (logp, entropy, lse, m, log s) is 0."""
     B, T, V = logits.shape
     assert V == 1 or logits.stride(-1) == 1, "the V dimension of the logits must be contiguous"
     logp, entropy, lse = (
@@ -695,11 +760,12 @@ def row_stats(
     inv_temp, inv_rows = inv_temperature(temperature, N, logits.device)
     cfgs = row_stats_configs(
         N, V, logits.dtype, _sm_count(logits.device), split_chunk, tokens_dtype=tokens.dtype,
-        row_temp=inv_rows is not None, shift=shift,
+        row_temp=inv_rows is not None, shift=shift, skip=skip is not None,
     )  # fmt: skip
     # (with a scalar temperature, `lse` stands in for the per-row pointer: never read; without
-    # `shift`, it stands in for m and log s, never written)
-    temp = (inv_temp, lse if inv_rows is None else inv_rows)
+    # `shift`, it stands in for m and log s, never written; without `skip`, for the mask)
+    mask = lse if skip is None else skip.detach().reshape(N).float().contiguous()
+    temp = (inv_temp, lse if inv_rows is None else inv_rows, mask)
     strides = (logits.stride(0), logits.stride(1), *temp)
     shifted = (torch.empty_like(lse), torch.empty_like(lse)) if shift else (lse, lse)
     if len(cfgs) == 1:
@@ -774,13 +840,14 @@ def one_pass_enabled() -> bool:
     return value == "1"
 
 
-def policy_rows_(logits, tokens, temperature, terms, out):
+def policy_rows_(logits, tokens, temperature, terms, out, mask=None):
     """(logp, entropy) fp32 (B, T) of logits (B, T, V) and dL/dz written into `out` (B, T, V,
     may be `logits`) for the token-separable loss `terms` (a fastrl.terms.TokenGradTerms: per-token
     fp32 (B * T,) tensors and the loss's constants), in one program per row that reads
     the row for its statistics, forms g_t = c_t dL_t/dlogp_t and h_t = -c_t c_H, and sweeps the
     row again for the gradient (_policy_loss_fwd_kernel). temperature: a float, or a (B, T)
-    tensor of per-row temperatures."""
+    tensor of per-row temperatures. mask: None (every row read), or the loss's mask (B * T
+    elements): a row where it is 0 is not read (logp = H = 0, a zero gradient row)."""
     B, T, V = logits.shape
     N = B * T
     logp, entropy, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lhs")
@@ -796,15 +863,20 @@ def policy_rows_(logits, tokens, temperature, terms, out):
     with_kl = terms.kl_coef != 0 and terms.ref_logp is not None
     per_token = (terms.old_logp, terms.ref_logp if with_kl else None, terms.is_weight)
     old, ref, is_weight = (lse if t is None else t for t in per_token)  # lse: never read
+    if mask is None:
+        mask = torch.ones(N, dtype=torch.float32, device=logits.device)
+    mask = mask.detach().reshape(N).float().contiguous()
     cfg(
         logits, tokens, logp, entropy, lse, out, terms.weight, terms.advantages, old, ref,
-        is_weight, N, T, V, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+        is_weight, mask, N, T, V, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         inv_temp, lse if inv_rows is None else inv_rows, *switch_args(terms, with_kl),
     )  # fmt: skip
     return logp.view(B, T), entropy.view(B, T)
 
 
-def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, row_terms=None):
+def stats_and_grad_(
+    logits, tokens, temperature, grad_fn, out, rows_grads=None, row_terms=None, skip=None
+):
     """fp32 (B, T) logp and H of logits (B, T, V), and dL/dz written into `out` (B, T, V, may be
     `logits`) from (g, h) = grad_fn(logp, H) (temperature: a float, or a (B, T) tensor of per-row
     temperatures). `row_terms`: None, or (for a token-separable loss) a function returning its
@@ -814,17 +886,19 @@ def stats_and_grad_(logits, tokens, temperature, grad_fn, out, rows_grads=None, 
     rows too many for split-V, one program per row does it all (`policy_rows_`). Otherwise (a
     sequence-level loss) the statistics kernel, g and h from grad_fn (O(N) torch), then the
     gradient kernel, with m and log s too. Either way the logits are read twice.
-    `rows_grads` (the torch backend's one-pass hook) is not used here: the interface is the same
-    as fastrl.chunked's."""
+    `skip`: None, or the loss's mask (B * T elements): a row where it is 0 is not read (by either
+    path), its logp and H are 0 and its gradient row zeros (grad_fn and row_terms must give it
+    g = h = 0, as a mask of 0 does). `rows_grads` (the torch backend's one-pass hook) is not used
+    here: the interface is the same as fastrl.chunked's."""
     B, T, V = logits.shape
     one_pass = one_pass_enabled()  # (a bad FASTRL_ONE_PASS is refused whatever the loss)
     terms = None if row_terms is None else row_terms()
     if terms is not None and one_pass:
         block, _ = _launch_config(V)
         if _split_config(B * T, V, block, logits.device)[0] == 1:
-            return policy_rows_(logits, tokens, temperature, terms, out)
+            return policy_rows_(logits, tokens, temperature, terms, out, skip)
     # m and log s too: p_j = exp((z'_j - m) - log s), exact at any offset, as in one pass
-    logp, entropy, lse, shifted = row_stats(logits, tokens, temperature, shift=True)
+    logp, entropy, lse, shifted = row_stats(logits, tokens, temperature, shift=True, skip=skip)
     if terms is None:  # a sequence-level loss: (g, h) from the O(N) torch math
         g, h = grad_fn(logp, entropy)
     else:  # one O(N) kernel

@@ -956,3 +956,29 @@ def test_sizes_below_one_are_refused(script, argv, message, capsys, monkeypatch)
         bench.main()
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_host_profile_names_where_the_host_time_goes():
+    """_common.host_profile (bench_kernel_configs' `host V=...` notes: the host side of a
+    policy-loss call on a GPU): per-call self and cumulative microseconds of the functions a
+    call runs, the slowest first; a function that sleeps 2 ms a call leads the table."""
+    import time
+
+    common = load_bench("_common.py")
+
+    def slow_part():
+        time.sleep(0.002)
+
+    def call():
+        slow_part()
+        sum(range(100))
+
+    out = common.host_profile(call, calls=4, top=5)
+    assert out["calls"] == 4 and out["host_ms_per_call"] >= 2.0
+    assert out["traced_ms_per_call"] >= 2.0 and len(out["top_self"]) <= 5
+    first = out["top_self"][0]
+    assert "sleep" in first["function"] and first["calls"] == 1.0 and first["self_us"] >= 2000
+    mine = next(r for r in out["top_self"] if r["function"].endswith(" slow_part"))
+    assert "tests/test_benchmarks.py:" in mine["function"] and mine["cum_us"] >= 2000
+    selfs = [r["self_us"] for r in out["top_self"]]
+    assert selfs == sorted(selfs, reverse=True)

@@ -96,7 +96,8 @@ def test_a_masked_non_finite_logp_reaches_neither_loss_nor_gradient(cfg, bad):
     """README: a NaN or inf log-prob (or entropy) at a masked token changes neither the loss nor
     its gradient. A -inf logp at padding (a pad id masked out of the vocabulary) used to give a
     NaN dloss/dlogp there (torch.where's zero gradient times exp's inf), which the caller's
-    backward carries into the whole weight gradient. The outputs keep the caller's values."""
+    backward carries into the whole weight gradient. The per-token outputs are the caller's
+    values at counted tokens and 0 at masked ones, as the fused losses report them."""
     logits, tokens, adv, old, ref, mask = _batch()
     clean = [t.requires_grad_() for t in R.token_logprobs(logits, tokens)]
     want = fastrl.policy_loss_from_logprobs(*clean, adv, old, ref, mask, **cfg)
@@ -113,5 +114,8 @@ def test_a_masked_non_finite_logp_reaches_neither_loss_nor_gradient(cfg, bad):
     if "entropy_coef" in cfg:
         torch.testing.assert_close(ent.grad, clean[1].grad)
         assert not ent.grad[mask == 0].any()
-    torch.testing.assert_close(out.logp, lp.detach(), equal_nan=True)
-    torch.testing.assert_close(out.entropy, ent.detach(), equal_nan=True)
+    counted = mask > 0
+    torch.testing.assert_close(out.logp, torch.where(counted, lp.detach(), 0.0))
+    torch.testing.assert_close(out.entropy, torch.where(counted, ent.detach(), 0.0))
+    torch.testing.assert_close(out.kl, want.kl)
+    assert not out.kl[~counted].any()

@@ -66,7 +66,19 @@ def run_both(batch, view=None, inplace=False, **kwargs):
     out_f.loss.backward()
     out_r = R.policy_loss(view(xr), **rest, **kwargs)
     out_r.loss.backward()
-    return out_f, out_r, xf.grad, xr.grad
+    return out_f, masked_outputs(out_r, rest.get("mask")), xf.grad, xr.grad
+
+
+def masked_outputs(out, mask):
+    """The reference's output with its per-token logp / entropy / kl set to 0 where `mask` is 0:
+    what fastrl's fused losses report there (a masked row is not read). The oracle computes
+    every row; the loss, metrics and gradient are compared unchanged."""
+    if mask is None:
+        return out
+    counted = mask.to(out.logp.device) > 0
+    for name in ("logp", "entropy", "kl"):
+        setattr(out, name, torch.where(counted, getattr(out, name), 0.0))
+    return out
 
 
 def assert_match(out_f, out_r, grad_f, grad_r, dtype=torch.float32, grad_scale=None):
@@ -379,6 +391,65 @@ def test_masked_rows_and_all_masked(engine):
         assert out_f.loss.item() == 0.0 and torch.isfinite(gf).all() and (gf == 0).all()
         assert all(torch.isfinite(v) for v in out_f.metrics.values())
         assert_match(out_f, out_r, gf, gr)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", ["grpo", "gspo"])
+def test_masked_rows_report_zero_and_are_not_read(engine, dtype, config, monkeypatch):
+    """A token with mask 0 reaches neither the loss nor its gradient, so its row is not read:
+    its logp, entropy and kl are reported as exactly 0 and its ratio as 1 (as
+    fused_linear_policy_loss reports them), on every backend and path (token-separable and
+    sequence-level, with and without gradient, fp16's gradient in the backward, the one-pass
+    kernel). NaN logits in the masked rows show that nothing of them is read on the Triton
+    path (a read would make that row's logp NaN), and the rest equals the same batch with
+    ordinary values there."""
+    device, backend = engine
+    batch = make_batch(3, 5, 37, device=device, dtype=dtype, mask_p=0.3)
+    mask = batch["mask"]
+    mask[0, 1] = mask[2, 4] = False
+    mask[1, 0] = True
+    poisoned = {**batch, "logits": batch["logits"].clone()}
+    poisoned["logits"][~mask] = float("nan")
+    kw = dict(config=config, kl_coef=0.1, entropy_coef=0.01)
+    for one_pass in ("0", "1"):
+        monkeypatch.setenv("FASTRL_ONE_PASS", one_pass)
+        clean_f, clean_r, clean_g, clean_gr = run_both(batch, **kw)
+        assert_match(clean_f, clean_r, clean_g, clean_gr, dtype=dtype)
+        out, _, grad, _ = run_both(poisoned, **kw)
+        for name in ("logp", "entropy", "kl"):
+            assert (getattr(out, name)[~mask] == 0).all(), name
+            assert torch.equal(getattr(out, name), getattr(clean_f, name)), name
+        assert (out.ratio[~mask] == 1).all()
+        assert torch.equal(out.loss, clean_f.loss)
+        assert (grad[~mask] == 0).all() and torch.equal(grad, clean_g)
+        for k, v in out.metrics.items():
+            assert torch.equal(v, clean_f.metrics[k]), k
+        with torch.no_grad():
+            rest = {k: v for k, v in poisoned.items() if k != "logits"}
+            no_grad = fastrl.policy_loss(poisoned["logits"], **rest, **kw)
+        assert (no_grad.logp[~mask] == 0).all() and torch.isfinite(no_grad.loss)
+        torch.testing.assert_close(no_grad.logp, out.logp, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="Triton kernels")
+@pytest.mark.parametrize("split_chunk", [0, 64])
+def test_row_stats_skips_masked_rows(split_chunk):
+    """The statistics launcher with `skip` (one program per row, and split-V's two stages): a
+    row whose mask is 0 gets logp = H = lse = m = log s = 0 without its logits being read
+    (NaN there); every other row's outputs are bit for bit those without `skip`."""
+    from fastrl.kernels import policy_loss as PL
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(2, 4, 300, device=device).to(torch.bfloat16)
+    tokens = torch.randint(0, 300, (2, 4), device=device)
+    mask = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 0.5]], device=device)
+    poisoned = logits.clone()
+    poisoned[mask == 0] = float("nan")
+    want = PL.row_stats(logits, tokens, 0.7, split_chunk=split_chunk, shift=True)
+    got = PL.row_stats(poisoned, tokens, 0.7, split_chunk=split_chunk, shift=True, skip=mask)
+    for a, b in zip((*want[:3], *want[3]), (*got[:3], *got[3])):
+        assert (b[mask == 0] == 0).all()
+        assert torch.equal(a[mask > 0], b[mask > 0])
 
 
 def test_inplace_gradient(engine):

@@ -16,6 +16,7 @@ import torch
 from fastrl.kernels import policy_loss as PL
 from fastrl.kernels import sampling as S
 from test_kernels_compile import _as_launched
+from test_policy_loss import masked_outputs
 
 import fastrl
 from fastrl import ops
@@ -216,7 +217,7 @@ def test_policy_loss_per_token_temperature_matches_reference(device, preset, ove
     out = fastrl.policy_loss(x, tokens, adv, old, temperature=tau, **kw)
     out.loss.backward()
     xr = logits.clone().requires_grad_()
-    ref = R.policy_loss(xr / tau_tok[..., None], tokens, adv, old, **kw)
+    ref = masked_outputs(R.policy_loss(xr / tau_tok[..., None], tokens, adv, old, **kw), mask)
     ref.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss.detach(), **FWD)
     torch.testing.assert_close(out.logp, ref.logp, **FWD)
