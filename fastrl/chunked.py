@@ -563,18 +563,27 @@ def stats_and_grad_(
     kernels give them (which do not read those rows); the gradient there is 0 either way
     (g = h = 0). `row_terms` (the Triton one-pass kernel's loss description) is not used
     here: the interface is the kernels'."""
-    if rows_grads is not None:
+    if rows_grads is not None:  # (token-separable: a masked row's values reach no other row)
         logp, entropy = one_pass_(logits, tokens, temperature, rows_grads(), out)
-    else:
-        park = keeps_e(out)  # else pass 2 forms e again from the logits (bf16 / fp16: exact)
-        logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None)
-        g, h = grad_fn(logp, entropy)
-        finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature,
-                None if park else logits)  # fmt: skip
-    if skip is not None:
-        counted = skip.reshape(logp.shape) > 0
-        logp, entropy = (torch.where(counted, t, 0.0) for t in (logp, entropy))
+        return _zero_skipped(logp, entropy, skip)
+    park = keeps_e(out)  # else pass 2 forms e again from the logits (bf16 / fp16: exact then)
+    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None)
+    # zeroed before grad_fn: a sequence-level loss couples a sequence's tokens, and a NaN logp
+    # of a masked row (NaN logits there) would give its counted tokens a NaN g (0 * NaN in the
+    # backward of a sequence's KL-bias ratio), as it would give them on the Triton path
+    logp, entropy = _zero_skipped(logp, entropy, skip)
+    g, h = grad_fn(logp, entropy)
+    finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature,
+            None if park else logits)  # fmt: skip
     return logp, entropy
+
+
+def _zero_skipped(logp: Tensor, entropy: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor]:
+    """logp and H (B, T) with 0 where the mask `skip` is 0 (None: unchanged)."""
+    if skip is None:
+        return logp, entropy
+    counted = skip.reshape(logp.shape) > 0
+    return torch.where(counted, logp, 0.0), torch.where(counted, entropy, 0.0)
 
 
 def one_pass_(logits, tokens, temperature, rows_grad_fn, out):

@@ -82,7 +82,9 @@ def policy_loss(
     config: LossConfig | str | None = None,
     **overrides,
 ) -> PolicyLossOutput:
-    """The policy loss of SPEC 1-5, eagerly. Same signature and output as `fastrl.policy_loss`.
+    """The policy loss of SPEC 1-5, eagerly. Same signature and output as `fastrl.policy_loss`,
+    except that it computes every row: at a token whose mask is 0 its logp / entropy / kl are
+    that row's values, where fastrl's fused losses (which do not read a masked row) report 0.
 
     logits (B, T, V) or (N, V); tokens (B, T) or (N,); advantages (B,), (B, T) or (N,);
     old_logp / ref_logp / rollout_logp / mask like tokens. The gradient is plain autograd through

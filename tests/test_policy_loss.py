@@ -394,7 +394,7 @@ def test_masked_rows_and_all_masked(engine):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("config", ["grpo", "gspo"])
+@pytest.mark.parametrize("config", ["grpo", "gspo", "seq_kl_bias"])
 def test_masked_rows_report_zero_and_are_not_read(engine, dtype, config, monkeypatch):
     """A token with mask 0 reaches neither the loss nor its gradient, so its row is not read:
     its logp, entropy and kl are reported as exactly 0 and its ratio as 1 (as
@@ -411,6 +411,8 @@ def test_masked_rows_report_zero_and_are_not_read(engine, dtype, config, monkeyp
     poisoned = {**batch, "logits": batch["logits"].clone()}
     poisoned["logits"][~mask] = float("nan")
     kw = dict(config=config, kl_coef=0.1, entropy_coef=0.01)
+    if config == "seq_kl_bias":  # the sequence's ratio couples its tokens' gradients
+        kw.update(config="gspo", kl_bias_correction=True, kl_bias_ratio="sequence")
     for one_pass in ("0", "1"):
         monkeypatch.setenv("FASTRL_ONE_PASS", one_pass)
         clean_f, clean_r, clean_g, clean_gr = run_both(batch, **kw)
