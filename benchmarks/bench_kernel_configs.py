@@ -30,7 +30,9 @@ Rows (kind):
                  host's wall time per call against the device's (a launch-bound call shows the
                  host slower); the same for fastrl.sample on 256 rows (decode's shape); then
                  the host side of an e2e call under cProfile (`host V=...`: the functions with
-                 the most self time per call, _common.host_profile)
+                 the most self time per call, _common.host_profile), and once per run the
+                 host's cost of one launch (`launch_us`: a Triton kernel that returns at once,
+                 through its launcher and bare, and a small torch op; `launch_overhead`)
   fusion         the one-pass kernel at its launcher's configuration with fp fusion on and off
                  (the cost of launch.EXACT_PRODUCTS)
 Each timed row: median ms (q20, q80) and n_samples by _common.time_fn on CUDA (do_bench's
@@ -212,6 +214,10 @@ def main(argv=None) -> None:
               f"  {row.get('vs_copy', 0):5.2f} x copy", flush=True)  # fmt: skip
 
     with common.keep_rows_on_interrupt(notes, rows):
+        if cuda:
+            notes["launch_us"] = launch_overhead(device)
+            print("launch_us", notes["launch_us"], flush=True)
+            save()
         for V in Vs:
             _sweep_vocabulary(V, N, dtype, device, timed, notes, save,
                               (stats_grid, grad_grid, one_grid, grids))  # fmt: skip
@@ -295,6 +301,45 @@ def _sweep_vocabulary(V, N, dtype, device, timed, notes, save, sweep) -> None:
     for fusion in (True, False):
         with override("_policy_loss_fwd_kernel", block, warps, None, fusion):
             timed("fusion", V, f"one-pass fusion={fusion}", one_pass, two)
+
+
+def launch_overhead(device, calls: int = 500) -> dict:
+    """The host's microseconds per launch, `calls` launches queued without a sync between them
+    (the device keeps up: each kernel is a few microseconds), so the loop's wall time is the
+    host's: `scale_` (the Triton kernel that returns at once when the scale is 1) through its
+    launcher (kernels.scale.scale_: its config, then LaunchConfig's call), the same
+    LaunchConfig called directly, the bare `kernel[grid](...)` call, and `torch.add(..., out=)`
+    on 4 floats (a torch op's launch). What a call made of a few Triton kernels and a few dozen
+    small torch ops costs on the host, next to its kernels' device time."""
+    from fastrl.kernels import scale as SC
+
+    grad = torch.zeros(4, 4, device=device)
+    one = torch.ones(1, device=device)
+    (cfg,) = SC.scale_configs(4, 4, grad.dtype)
+    a, b = torch.zeros(4, device=device), torch.empty(4, device=device)
+    kernel, constexprs = cfg.kernel, dict(cfg.constexprs)
+    options = dict(cfg.options)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+
+    def bare():
+        kernel[cfg.grid](grad, one, 4, 4, 4, **constexprs, num_warps=cfg.num_warps, **options)
+
+    cases = {
+        "triton_via_launcher": lambda: SC.scale_(grad, one),
+        "triton_launch_config": lambda: cfg(grad, one, 4, 4, 4),
+        "triton_bare": bare,
+        "torch_add": lambda: torch.add(a, 1.0, out=b),
+    }
+    out = {}
+    for name, fn in cases.items():
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.perf_counter() - t0) * 1e6 / calls
+        sync()
+    return out
 
 
 def _profile(fn, calls: int = 5) -> dict:

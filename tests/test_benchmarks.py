@@ -982,3 +982,14 @@ def test_host_profile_names_where_the_host_time_goes():
     assert "tests/test_benchmarks.py:" in mine["function"] and mine["cum_us"] >= 2000
     selfs = [r["self_us"] for r in out["top_self"]]
     assert selfs == sorted(selfs, reverse=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_launch_overhead_times_each_way_of_launching():
+    """bench_kernel_configs.launch_overhead (the GPU run's `launch_us` note): host microseconds
+    per launch of a Triton kernel through its launcher, its LaunchConfig, bare, and of a torch
+    op; every way really launches (here in the interpreter, on CPU tensors)."""
+    bench = load_bench("bench_kernel_configs.py")
+    out = bench.launch_overhead("cpu", calls=3)
+    assert set(out) == {"triton_via_launcher", "triton_launch_config", "triton_bare", "torch_add"}
+    assert all(math.isfinite(v) and v > 0 for v in out.values())
