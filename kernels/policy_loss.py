@@ -132,20 +132,31 @@ def _token_stats_fwd_kernel(
     # themselves: the gradient kernel then forms log p_j = (z'_j - m) - log s, exact at any
     # offset (from lse, rounded at |lse|'s scale, an entry is ~6e-8 |lse| off).
     # With SKIP_MASKED a masked row (m_t = 0: it reaches neither the loss nor its gradient)
-    # costs two stores instead of a pass over its V logits.
+    # costs five stores (logp, H, lse, m, log s) instead of a pass over its V logits.
     row = tl.program_id(0).to(tl.int64)
     if _row_counted(mask_ptr, row, SKIP_MASKED):
         row_ptr = _row_ptr(logits_ptr, row, T, stride_logits_b, stride_logits_t)
         inv_temp = _row_inv_temp(inv_temp, inv_temp_ptr, row, ROW_TEMP)
         m, s, w, n_nan = _row_stats_sweep(row_ptr, 0, V, inv_temp, BLOCK_V)
-        _, _, _, log_s = _token_stats_store(
-            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
-        )
-        if STORE_SHIFT:
-            tl.store(shift_ptr + row, m)
-            tl.store(log_s_ptr + row, log_s)
+        _row_outputs_store(
+            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row, V,
+            inv_temp, m, s, w, n_nan, STORE_SHIFT,
+        )  # fmt: skip
     else:
         _masked_row_store(logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row, STORE_SHIFT)
+
+
+@triton.jit
+def _row_outputs_store(row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr,
+                       row, V, inv_temp, m, s, w, n_nan, STORE_SHIFT: tl.constexpr):  # fmt: skip
+    # A read row's outputs from its (m, s, w, n_nan): logp, H and lse (_token_stats_store), and
+    # with STORE_SHIFT its m and log s.
+    _, _, _, log_s = _token_stats_store(
+        row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
+    )
+    if STORE_SHIFT:
+        tl.store(shift_ptr + row, m)
+        tl.store(log_s_ptr + row, log_s)
 
 
 @triton.jit
@@ -263,12 +274,10 @@ def _token_stats_merge_fwd_kernel(
             m, s, w, n_nan = _lse_merge_partials(
                 m, s, w, n_nan, part_m_ptr, part_s_ptr, part_w_ptr, row * SPLITS + k, k < SPLITS
             )
-        _, _, _, log_s = _token_stats_store(
-            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, row, V, inv_temp, m, s, w, n_nan
-        )
-        if STORE_SHIFT:
-            tl.store(shift_ptr + row, m)
-            tl.store(log_s_ptr + row, log_s)
+        _row_outputs_store(
+            row_ptr, tokens_ptr, logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row, V,
+            inv_temp, m, s, w, n_nan, STORE_SHIFT,
+        )  # fmt: skip
     else:
         _masked_row_store(logp_ptr, entropy_ptr, lse_ptr, shift_ptr, log_s_ptr, row, STORE_SHIFT)
 
