@@ -130,27 +130,36 @@ def chunk_step(N: int, V: int, device: torch.device) -> int:
     return step
 
 
-def for_chunks(N: int, V: int, device: torch.device, body) -> None:
+def for_chunks(N: int, V: int, device: torch.device, body, runs=None) -> None:
     """body(r0, r1, work) for the row chunks [r0, r1) of 0..N of (N, V) logits, `chunk_step`
-    rows each, each with a `_Work` of its thread (see `run_chunks`)."""
-    step = chunk_step(N, V, device)
-    run_chunks(N, step, device, body, lambda: _Work(min(step, N), V, device))
+    rows each, each with a `_Work` of its thread (see `run_chunks`). `runs`: None (every row),
+    or the [a, b) row ranges to cover (`_runs_to_read`), each cut into chunks of its own."""
+    if runs is None:
+        step = chunk_step(N, V, device)
+        run_chunks(N, step, device, body, lambda: _Work(min(step, N), V, device))
+        return
+    step = chunk_step(sum(b - a for a, b in runs), V, device)
+    ranges = [(r0, min(b, r0 + step)) for a, b in runs for r0 in range(a, b, step)]
+    run_chunks(N, step, device, body, lambda: _Work(min(step, N), V, device), ranges)
 
 
-def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: None) -> None:
-    """body(r0, r1, work) for the chunks [r0, r1) of 0..N, `step` rows each, `work` =
-    make_work() once per thread: in the calling thread, or spread over worker threads that run
-    their torch ops single-threaded and pull chunks from a shared queue (see the note above).
-    Chunks run in any order and at once: a body writes only its own rows. Exceptions
-    propagate."""
-    starts = list(range(0, N, step))
-    threads = min(_threads(device), len(starts))
+def run_chunks(
+    N: int, step: int, device: torch.device, body, make_work=lambda: None, ranges=None
+) -> None:
+    """body(r0, r1, work) for the chunks [r0, r1) of 0..N, `step` rows each (or the given
+    `ranges`, a list of (r0, r1)), `work` = make_work() once per thread: in the calling thread,
+    or spread over worker threads that run their torch ops single-threaded and pull chunks from a
+    shared queue (see the note above). Chunks run in any order and at once: a body writes only
+    its own rows. Exceptions propagate."""
+    if ranges is None:
+        ranges = [(r0, min(N, r0 + step)) for r0 in range(0, N, step)]
+    threads = min(_threads(device), len(ranges))
     if threads <= 1 or getattr(_SINGLE, "done", False):  # (a call from a chunk runs inline)
         work = make_work()
-        for r0 in starts:
-            body(r0, min(N, r0 + step), work)
+        for r0, r1 in ranges:
+            body(r0, r1, work)
         return
-    queue, lock, stop = iter(starts), threading.Lock(), threading.Event()
+    queue, lock, stop = iter(ranges), threading.Lock(), threading.Event()
     # the caller's thread-local dispatch state (a custom op's implementation runs below
     # autograd), grad mode and inference mode, which a new thread would not inherit
     include = torch._C._dispatch_tls_local_include_set()
@@ -172,11 +181,11 @@ def run_chunks(N: int, step: int, device: torch.device, body, make_work=lambda: 
         with mode, guards, torch.set_grad_enabled(grad_mode):
             while not stop.is_set():  # a failed chunk, or the caller's own exception, stops it
                 with lock:
-                    r0 = next(queue, None)
-                if r0 is None:
+                    chunk = next(queue, None)
+                if chunk is None:
                     return
                 try:
-                    body(r0, min(N, r0 + step), work)
+                    body(*chunk, work)
                 except BaseException:
                     stop.set()  # no other worker takes a new chunk
                     raise
@@ -470,16 +479,20 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
     return e
 
 
-def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None, with_max=False):
+def stats_e(
+    logits: Tensor, tokens: Tensor, temperature, out: Tensor | None, with_max=False, runs=None
+):
     """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
     time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`), and with `with_max` the row
     max m of z' (lse = m + log s); temperature a float or a (B, T) tensor of per-row
     temperatures. With `out` (B, T, V), e is also written there (`out` may be the logits' own
     storage: each chunk is read first). Only an fp32 `out` keeps e exactly: `keeps_e(out)`; the
-    caller passes no other."""
+    caller passes no other. `runs`: None, or the row ranges to read (`_runs_to_read`); the
+    statistics of the other rows are 0 (and `out` is not written there)."""
     B, T, V = logits.shape
     N = B * T
-    stats = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(5)]
+    new = torch.empty if runs is None else torch.zeros
+    stats = [new(N, dtype=torch.float32, device=logits.device) for _ in range(5)]
     y_all = tokens.reshape(-1).long()
     tau_all = row_temperature(temperature, N)
 
@@ -493,7 +506,7 @@ def stats_e(logits: Tensor, tokens: Tensor, temperature, out: Tensor | None, wit
         if out is not None:
             _store_rows(out, r0, r1, e)
 
-    for_chunks(N, V, logits.device, body)
+    for_chunks(N, V, logits.device, body, runs)
     return tuple(s.view(B, T) for s in stats[: 5 if with_max else 4])
 
 
@@ -523,11 +536,12 @@ def _recompute_e_(e: Tensor, rows: Tensor, temperature, work: _Work) -> Tensor:
     return e
 
 
-def finish_(out, tokens, logp, entropy, log_s, g, h, temperature, logits=None):
+def finish_(out, tokens, logp, entropy, log_s, g, h, temperature, logits=None, runs=None):
     """Pass 2 of the two-pass path: overwrite `out` (B, T, V) with dL/dz chunk by chunk in fp32
     (`_chunk_finish_`), from e = exp(z' - m) that `out` holds (`keeps_e(out)`), or, given
     `logits` (B, T, V) (which may be `out` itself: each chunk is read before it is written),
-    from e formed again from them into the chunk's fp32 work buffer (a bf16 / fp16 `out`)."""
+    from e formed again from them into the chunk's fp32 work buffer (a bf16 / fp16 `out`).
+    `runs`: None, or the row ranges to finish (`_runs_to_read`; the caller zeroes the rest)."""
     B, T, V = out.shape
     N = B * T
     flat = lambda t: None if t is None else t.reshape(N)  # noqa: E731
@@ -547,7 +561,7 @@ def finish_(out, tokens, logp, entropy, log_s, g, h, temperature, logits=None):
         if view is None:
             _store_rows(out, r0, r1, e)
 
-    for_chunks(N, V, out.device, body)
+    for_chunks(N, V, out.device, body, runs)
     return out
 
 
@@ -560,22 +574,81 @@ def stats_and_grad_(
     r0:r1 alone: then each chunk is finished in the pass that reduces it (`one_pass_`).
     temperature: a float, or a (B, T) tensor of per-row temperatures. `skip`: None, or the
     loss's mask (B * T elements): logp and H are returned as 0 where it is 0, as the Triton
-    kernels give them (which do not read those rows); the gradient there is 0 either way
-    (g = h = 0). `row_terms` (the Triton one-pass kernel's loss description) is not used
-    here: the interface is the kernels'."""
+    kernels give them (which do not read those rows), and the gradient there is 0 (g = h = 0);
+    on the CPU, runs of such rows long enough to pay (`_runs_to_read`: padding at the end of a
+    sequence) are not read either, their gradient rows zeroed. `row_terms` (the Triton
+    one-pass kernel's loss description) is not used here: the interface is the kernels'."""
+    B, T, V = logits.shape
+    runs = _runs_to_read(skip, B * T, V)
+    if runs is not None:
+        _zero_rows_(out, _gaps(runs, B * T))  # (the rows not read: a zero gradient)
     if rows_grads is not None:  # (token-separable: a masked row's values reach no other row)
-        logp, entropy = one_pass_(logits, tokens, temperature, rows_grads(), out)
+        logp, entropy = one_pass_(logits, tokens, temperature, rows_grads(), out, runs)
         return _zero_skipped(logp, entropy, skip)
     park = keeps_e(out)  # else pass 2 forms e again from the logits (bf16 / fp16: exact then)
-    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None)
+    logp, entropy, log_s, _ = stats_e(logits, tokens, temperature, out if park else None,
+                                      runs=runs)  # fmt: skip
     # zeroed before grad_fn: a sequence-level loss couples a sequence's tokens, and a NaN logp
     # of a masked row (NaN logits there) would give its counted tokens a NaN g (0 * NaN in the
     # backward of a sequence's KL-bias ratio), as it would give them on the Triton path
     logp, entropy = _zero_skipped(logp, entropy, skip)
     g, h = grad_fn(logp, entropy)
     finish_(out, tokens, logp, entropy, log_s, g.float(), h, temperature,
-            None if park else logits)  # fmt: skip
+            None if park else logits, runs)  # fmt: skip
     return logp, entropy
+
+
+_SKIP_MIN_LOGITS = 1 << 16  # a masked run is skipped when it holds at least this many logits
+
+
+def _runs_to_read(skip: Tensor | None, N: int, V: int) -> list[tuple[int, int]] | None:
+    """The [a, b) row ranges of 0..N that must be read when rows whose mask `skip` (N elements,
+    or None) is 0 need not be: every run of counted rows, a run of masked rows included when
+    it is shorter than _SKIP_MIN_LOGITS / V rows (each range becomes chunks of its own, and a
+    chunk's few dozen torch ops cost about what a few rows of 32000 logits do: a scattered
+    masked row is computed anyway, the padding at a sequence's end is skipped). None: read
+    every row (no mask, a tensor off the CPU, whose read would be a device sync, or no masked
+    run that long)."""
+    if skip is None or skip.device.type != "cpu" or N == 0:
+        return None
+    counted = skip.reshape(N) > 0
+    if bool(counted.all()):
+        return None
+    change = torch.nonzero(counted[1:] != counted[:-1]).flatten().add_(1)
+    starts = torch.cat([change.new_zeros(1), change])
+    bounds = [*starts.tolist(), N]
+    min_gap = -(-_SKIP_MIN_LOGITS // max(V, 1))
+    runs: list[tuple[int, int]] = []
+    for a, b, read in zip(bounds[:-1], bounds[1:], counted[starts].tolist()):
+        if not (read or b - a < min_gap):
+            continue  # a masked run worth skipping
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return None if runs == [(0, N)] else runs
+
+
+def _gaps(runs: list[tuple[int, int]], N: int) -> list[tuple[int, int]]:
+    """The [a, b) ranges of 0..N outside `runs` (sorted, disjoint)."""
+    gaps, start = [], 0
+    for a, b in runs:
+        if a > start:
+            gaps.append((start, a))
+        start = b
+    return gaps + ([(start, N)] if start < N else [])
+
+
+def _zero_rows_(out: Tensor, ranges: list[tuple[int, int]]) -> None:
+    """Zero the flattened rows [a, b) of `out` (B, T, V) for each range."""
+    for a, b in ranges:
+        view = _view_rows(out, a, b)
+        if view is not None:
+            view.zero_()
+        else:
+            T = out.shape[1]
+            idx = torch.arange(a, b, device=out.device)
+            out[idx // T, idx % T] = 0
 
 
 def _zero_skipped(logp: Tensor, entropy: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -586,13 +659,15 @@ def _zero_skipped(logp: Tensor, entropy: Tensor, skip: Tensor | None) -> tuple[T
     return torch.where(counted, logp, 0.0), torch.where(counted, entropy, 0.0)
 
 
-def one_pass_(logits, tokens, temperature, rows_grad_fn, out):
+def one_pass_(logits, tokens, temperature, rows_grad_fn, out, runs=None):
     """Statistics and dL/dz in ONE pass over the logits for a token-separable loss: per chunk
     the statistics, then (g, h) = rows_grad_fn(r0, r1, logp, H) of those rows, then the
-    gradient from e, stored once into `out` (may be `logits`)."""
+    gradient from e, stored once into `out` (may be `logits`). `runs`: None, or the row ranges
+    to read (`_runs_to_read`): logp and H are 0 elsewhere, where `out` is not written."""
     B, T, V = logits.shape
     N = B * T
-    logp_all, ent_all = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in "lh")
+    new = torch.empty if runs is None else torch.zeros
+    logp_all, ent_all = (new(N, dtype=torch.float32, device=logits.device) for _ in "lh")
     y_all = tokens.reshape(-1).long()
     tau_all = row_temperature(temperature, N)
 
@@ -607,5 +682,5 @@ def one_pass_(logits, tokens, temperature, rows_grad_fn, out):
             _store_rows(out, r0, r1, e)
         logp_all[r0:r1], ent_all[r0:r1] = logp, ent
 
-    for_chunks(N, V, logits.device, body)
+    for_chunks(N, V, logits.device, body, runs)
     return logp_all.view(B, T), ent_all.view(B, T)

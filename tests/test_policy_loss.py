@@ -433,6 +433,43 @@ def test_masked_rows_report_zero_and_are_not_read(engine, dtype, config, monkeyp
         torch.testing.assert_close(no_grad.logp, out.logp, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", ["grpo", "gspo"])
+def test_cpu_skips_runs_of_masked_rows(config, dtype, inplace, monkeypatch):
+    """The CPU backend does not read a run of masked rows long enough to pay for a chunk of its
+    own (chunked._runs_to_read: the padding at a sequence's end); a scattered masked row is read
+    anyway. Only the other rows reach the statistics pass, the skipped rows' gradient is 0, and
+    everything equals the reference and a call whose masked rows hold NaN."""
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    B, T, V = 3, 12, 20000  # a masked run is skipped from 4 rows of 20000 logits on
+    batch = make_batch(B, T, V, dtype=dtype, mask_p=0.0)
+    mask = batch["mask"]
+    mask[0, 7:] = False  # 5 rows of padding: skipped
+    mask[1, 3] = False  # one scattered row: read
+    mask[2, 2:] = False  # 10 rows: skipped
+    assert chunked._runs_to_read(mask, B * T, V) == [(0, 7), (12, 26)]
+    seen = []
+    real = chunked._chunk_stats
+
+    def spy(rows, *args):
+        seen.append(rows.shape[0])
+        return real(rows, *args)
+
+    monkeypatch.setattr(chunked, "_chunk_stats", spy)
+    kw = dict(config=config, kl_coef=0.1, entropy_coef=0.01, inplace=inplace)
+    out = run_both(batch, **kw)
+    assert sum(seen) == B * T - 15
+    assert_match(*out, dtype=dtype)
+    assert (out[2][~mask] == 0).all()
+    poisoned = {**batch, "logits": batch["logits"].clone()}
+    poisoned["logits"][~mask] = float("nan")
+    bad = run_both(poisoned, **kw)
+    assert torch.equal(bad[0].loss, out[0].loss) and torch.equal(bad[2], out[2])
+    for name in ("logp", "entropy", "kl"):
+        assert torch.equal(getattr(bad[0], name), getattr(out[0], name)), name
+
+
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="Triton kernels")
 @pytest.mark.parametrize("split_chunk", [0, 64])
 def test_row_stats_skips_masked_rows(split_chunk):
