@@ -109,8 +109,9 @@ def policy_loss(
 
     Returns PolicyLossOutput(loss (0-dim, differentiable w.r.t. logits), logp, entropy, kl (like
     tokens, fp32, detached; 0 at a token whose mask is 0: such a row reaches neither the loss
-    nor its gradient, and the Triton kernels do not read it, as fused_linear_policy_loss skips
-    it; its ratio is 1), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
+    nor its gradient, and with a gradient on fp32 / bf16 logits the Triton kernels do not read
+    it (the CPU backend skips long runs of such rows), as fused_linear_policy_loss skips it; its
+    ratio is 1), metrics (detached 0-dim tensors: clipfrac, clipfrac_low,
     clipfrac_high, dualclip_frac, approx_kl, kl, entropy, ratio_mean, ratio_max, and
     is_weight_mean / is_weight_max / is_clipfrac with rollout IS: the mean of the weights
     applied, after the cap; the largest weight before it, to show how far the sampler

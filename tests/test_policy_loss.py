@@ -442,7 +442,7 @@ def test_cpu_skips_runs_of_masked_rows(config, dtype, inplace, monkeypatch):
     anyway. Only the other rows reach the statistics pass, the skipped rows' gradient is 0, and
     everything equals the reference and a call whose masked rows hold NaN."""
     monkeypatch.setenv("FASTRL_BACKEND", "torch")
-    B, T, V = 3, 12, 20000  # a masked run is skipped from 4 rows of 20000 logits on
+    B, T, V = 3, 12, 131072  # a masked run is skipped from 4 rows of 131072 logits on
     batch = make_batch(B, T, V, dtype=dtype, mask_p=0.0)
     mask = batch["mask"]
     mask[0, 7:] = False  # 5 rows of padding: skipped
