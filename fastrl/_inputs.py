@@ -284,6 +284,14 @@ class PolicyInputs:
         return x.squeeze(0) if self.flat else x
 
 
+def zero_uncounted(mask: Tensor, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each tensor (like `mask`, or broadcasting to it; None stays None) with 0 where `mask` is
+    not > 0: the convention for what the mask excludes (a NaN there becomes 0, where x * 0 would
+    stay NaN; torch.where's backward hands such an entry 0)."""
+    counted = mask > 0
+    return tuple(None if t is None else torch.where(counted, t, 0.0) for t in tensors)
+
+
 def prepare_policy_inputs(
     logits: Tensor,
     tokens: Tensor,
@@ -393,11 +401,8 @@ def prepare_policy_inputs(
         mask = check_mask("mask", mask, (T,) if flat else (B, T), dev).reshape(B, T)
         # What the mask excludes never reaches the loss or its gradient: a NaN advantage or
         # log-prob at a masked token is replaced by 0 there (x * 0 would still be NaN).
-        counted = mask > 0
-        advantages = torch.where(counted, advantages, 0.0)
-        old_logp, ref_logp, rollout_logp = (
-            None if t is None else torch.where(counted, t, 0.0)
-            for t in (old_logp, ref_logp, rollout_logp)
+        advantages, old_logp, ref_logp, rollout_logp = zero_uncounted(
+            mask, advantages, old_logp, ref_logp, rollout_logp
         )
 
     if cfg.kl_coef > 0 and ref_logp is None:

@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 from torch import Tensor
 
-from ._inputs import inv_tau
+from ._inputs import inv_tau, zero_uncounted
 
 CHUNK_BYTES = 32 << 20  # fp32 bytes per temporary of the chunked torch path (a few exist at once)
 SUB_BYTES = 4 << 20  # fp32 bytes per cache-sized scratch buffer of its element-wise passes
@@ -647,21 +647,14 @@ def _gaps(runs: list[tuple[int, int]], N: int) -> list[tuple[int, int]]:
 def _zero_rows_(out: Tensor, ranges: list[tuple[int, int]]) -> None:
     """Zero the flattened rows [a, b) of `out` (B, T, V) for each range."""
     for a, b in ranges:
-        view = _view_rows(out, a, b)
-        if view is not None:
-            view.zero_()
-        else:
-            T = out.shape[1]
-            idx = torch.arange(a, b, device=out.device)
-            out[idx // T, idx % T] = 0
+        _store_rows(out, a, b, out.new_zeros(()).expand(b - a, out.shape[-1]))
 
 
 def _zero_skipped(logp: Tensor, entropy: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor]:
     """logp and H (B, T) with 0 where the mask `skip` is 0 (None: unchanged)."""
-    if skip is None:
-        return logp, entropy
-    counted = skip.reshape(logp.shape) > 0
-    return torch.where(counted, logp, 0.0), torch.where(counted, entropy, 0.0)
+    return (
+        (logp, entropy) if skip is None else zero_uncounted(skip.reshape(logp.shape), logp, entropy)
+    )
 
 
 def one_pass_(logits, tokens, temperature, rows_grad_fn, out, runs=None):

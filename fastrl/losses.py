@@ -28,6 +28,7 @@ from ._inputs import (
     check_temperature_rows,
     describe,
     prepare_policy_inputs,
+    zero_uncounted,
 )
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
@@ -188,7 +189,10 @@ def policy_loss(
             else:
                 out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
     else:
-        logp, entropy = _zero_masked(*ops.token_logprobs(x.logits, x.tokens, x.temperature), x)
+        # (0 at masked tokens, as the fused op gives them: this path reads every row)
+        logp, entropy = zero_uncounted(
+            x.mask, *ops.token_logprobs(x.logits, x.tokens, x.temperature)
+        )
         out = ops.policy_output(logp, entropy, x)
     if check_finite:
         _check_finite(out.loss, x.unflatten(logp), x.unflatten(x.mask))
@@ -243,14 +247,6 @@ def policy_loss_from_logprobs(
     lp = logp.float().reshape(x.mask.shape)
     ent = torch.zeros_like(lp) if entropy is None else entropy.float().reshape(x.mask.shape)
     return output_of_logprobs(lp, ent, x)  # (masked tokens cut from the graph)
-
-
-def _zero_masked(logp: Tensor, entropy: Tensor, x) -> tuple[Tensor, Tensor]:
-    """logp and H (x's (B, T) layout) with 0 where x's mask is 0: what the fused op returns
-    there on every backend (the Triton kernels do not read a masked row), for the no-gradient
-    path, which takes them from `ops.token_logprobs` (`output_of_logprobs` does the same)."""
-    counted = x.mask > 0
-    return torch.where(counted, logp, 0.0), torch.where(counted, entropy, 0.0)
 
 
 def _policy_grad(x, inplace: bool, weights):

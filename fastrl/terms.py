@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ._inputs import PolicyInputs
+from ._inputs import PolicyInputs, zero_uncounted
 from .config import AGGS, LossConfig
 
 LOG_RATIO_CLAMP = 20.0  # SPEC 1 / 3: exp(clamp(x, -20, 20)), verl's clamp
@@ -516,9 +516,7 @@ def output_of_logprobs(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> Policy
     caller's logp (and through its backward the model's weights); torch.where's backward hands
     a masked entry 0. Same values: the outputs (logp, entropy, kl: 0 at masked tokens) are
     those of the fused losses on the same log-probs."""
-    counted = x.mask > 0
-    lp, ent = (torch.where(counted, t, 0.0) for t in (logp, entropy))
-    return policy_output(lp, ent, x)
+    return policy_output(*zero_uncounted(x.mask, logp, entropy), x)
 
 
 def policy_output(logp: Tensor, entropy: Tensor, x: PolicyInputs) -> PolicyLossOutput:
