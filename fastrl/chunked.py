@@ -8,12 +8,16 @@ buffers per worker thread: `_threads`) and it never makes an fp32 copy of all th
 
 The backend interface (the same names as the Triton launchers in fastrl/kernels/policy_loss.py;
 `fastrl.ops.backend(device)` picks one of the two modules):
-  row_stats(logits, tokens, tau, shift=False) -> fp32 (B, T) logp, H, lse     (one exp per logit)
-                                              (tau: a float, or a (B, T) per-row tensor; with
-                                              `shift`, also (m, log s): lse = m + log s)
-  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out, shifted)
+  row_stats(logits, tokens, tau, shift=False, skip=None) -> fp32 (B, T) logp, H, lse
+                                              (one exp per logit; tau: a float, or a (B, T)
+                                              per-row tensor; with `shift`, also (m, log s):
+                                              lse = m + log s; logp = H = 0 where the mask
+                                              `skip` is 0, rows the Triton kernels do not read)
+  row_grad_(logits, tokens, logp, lse, H, g, h, tau, out, shifted, skip=None)
                                               SPEC 6's dL/dz into `out`, p_j from `shifted` =
-                                              (m, log s), exactly at any offset (lse unread)
+                                              (m, log s), exactly at any offset (lse unread);
+                                              with row_stats' `skip` (g = h = 0 there) the rows
+                                              it did not read are zeroed, not read
   scale_(grad, scale)                         grad *= scale in place (nothing when scale is 1)
   stats_and_grad_(logits, tokens, tau, grad_fn, out, rows_grads, row_terms, skip)
                                               statistics, then (g, h), then dL/dz into `out`: here
@@ -222,14 +226,23 @@ def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
     return x[idx // T, idx % T]  # (R, V) copy in x's dtype: chunk-sized
 
 
-def row_stats(logits: Tensor, tokens: Tensor, temperature, *, shift: bool = False):
+def row_stats(
+    logits: Tensor, tokens: Tensor, temperature, *, shift: bool = False, skip: Tensor | None = None
+):
     """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
     (one exp per logit; H from max-shifted values); temperature a float or a (B, T) tensor of
     per-row temperatures. Out-of-range tokens give logp = NaN (no device-side assert); a NaN or
     +inf logit makes its row's logp, H and lse NaN. With `shift`, returns (logp, entropy, lse,
     (m, log s)): m = max_j z'_j and log s = log sum_j exp(z'_j - m), fp32 (B, T) each, for
-    `row_grad_`'s exact p_j (as kernels/policy_loss.py's row_stats)."""
-    logp, entropy, log_s, lse, m = stats_e(logits, tokens, temperature, None, with_max=True)
+    `row_grad_`'s exact p_j (as kernels/policy_loss.py's row_stats). `skip`: None, or a mask
+    (B * T elements): logp and H are 0 where it is 0, and runs of such rows long enough to pay
+    (`_runs_to_read`) are not read (their lse, m and log s are 0 too; `row_grad_` given the
+    same `skip` does not read them either)."""
+    runs = _runs_to_read(skip, logits.shape[0] * logits.shape[1], logits.shape[2])
+    logp, entropy, log_s, lse, m = stats_e(
+        logits, tokens, temperature, None, with_max=True, runs=runs
+    )
+    logp, entropy = _zero_skipped(logp, entropy, skip)
     return (logp, entropy, lse, (m, log_s)) if shift else (logp, entropy, lse)
 
 
@@ -261,7 +274,7 @@ def _scaled(rows: Tensor, temperature) -> Tensor:
     return rows.float() * inv_tau(temperature)
 
 
-def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted=None):
+def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifted=None, skip=None):
     """SPEC 6's gradient into `out` (B, T, V), chunk by chunk, from the (B, T) statistics of
     `row_stats(shift=True)` (logp, entropy, and `shifted` = (m, log s)) and g, h; `out` may be
     `logits` itself; temperature a float or a (B, T) tensor of per-row temperatures (those of
@@ -275,11 +288,16 @@ def row_grad_(logits, tokens, logp, lse, entropy, g, h, temperature, out, shifte
     lse - m_r). The pass is `finish_` with the logits: per chunk e = exp(z' - m) in cache-sized
     blocks, then dL/dz = p (a log p + c) with a = -h / tau, c = -(g + h H) / tau, and the exact
     entry at y, tau^-1 [g (1 - p_y) - h p_y (logp_y + H)], from the statistics' logp_y =
-    (z'_y - m) - log s (`_chunk_finish_`, one implementation of the gradient)."""
+    (z'_y - m) - log s (`_chunk_finish_`, one implementation of the gradient).
+    `skip`: None, or the mask given to `row_stats` (where it is 0, g and h must be 0): the
+    runs of rows that row_stats did not read are not read here either, their rows zeroed."""
     if shifted is None:
         raise ValueError("chunked.row_grad_ needs `shifted` = row_stats(shift=True)'s (m, log s)")
     h = None if h is None else h.float()
-    return finish_(out, tokens, logp, entropy, shifted[1], g.float(), h, temperature, logits)
+    runs = _runs_to_read(skip, out.shape[0] * out.shape[1], out.shape[2])
+    if runs is not None:
+        _zero_rows_(out, _gaps(runs, out.shape[0] * out.shape[1]))
+    return finish_(out, tokens, logp, entropy, shifted[1], g.float(), h, temperature, logits, runs)
 
 
 def scale_(grad: Tensor, scale: Tensor) -> Tensor:

@@ -24,11 +24,11 @@ from . import ops
 from ._inputs import (
     check_bool,
     check_logits_tokens,
+    check_mask,
     check_temperature,
     check_temperature_rows,
     describe,
     prepare_policy_inputs,
-    zero_uncounted,
 )
 from .config import LossConfig
 from .linear import fused_linear_policy_loss, linear_logprobs
@@ -173,7 +173,7 @@ def policy_loss(
         if inplace:
             _check_inplace(logits)
         if x.logits.dtype == torch.float16:  # the gradient in the backward, after the loss scale
-            logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature, inplace)
+            logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature, inplace, x.mask)
             out = output_of_logprobs(logp, entropy, x)  # (0 at masked tokens, as below)
             logp = logp.detach()
         else:
@@ -188,11 +188,8 @@ def policy_loss(
                 out.loss = ops.attach_inplace_grad(out.loss, logits, x.logits, grad)
             else:
                 out.loss = ops.attach_grads(out.loss, [x.logits], [grad])
-    else:
-        # (0 at masked tokens, as the fused op gives them: this path reads every row)
-        logp, entropy = zero_uncounted(
-            x.mask, *ops.token_logprobs(x.logits, x.tokens, x.temperature)
-        )
+    else:  # (0 at masked tokens, as the fused op gives them, which are not read either)
+        logp, entropy = ops.token_logprobs(x.logits, x.tokens, x.temperature, mask=x.mask)
         out = ops.policy_output(logp, entropy, x)
     if check_finite:
         _check_finite(out.loss, x.unflatten(logp), x.unflatten(x.mask))
@@ -310,6 +307,7 @@ def logprobs(
     temperature: float | Tensor = 1.0,
     entropy: bool = False,
     *,
+    mask: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
 ):
     """Per-token log-probs logp_t = z'_y - lse, z' = z / tau (and entropies H_t when `entropy`).
@@ -322,6 +320,10 @@ def logprobs(
     sequence, (S,) per packed sequence with `cu_seqlens`, or () one for all; finite, > 0; used in
     fp32): each row z_t is divided by its own tau_t, and the gradient w.r.t. the logits is
     SPEC 6's with 1/tau_t. The temperature is a constant: no gradient flows to it (detached).
+    mask: None, or like tokens (bool, 0/1 integer or float >= 0; a constant): a row whose mask
+    is 0 (prompt, padding) gives logp = H = 0 and a zero gradient, and is not read, as in
+    `linear_logprobs` (the Triton kernels skip each such row; the CPU backend skips runs of
+    them long enough to pay, e.g. the padding at a sequence's end). Without it every row is read.
     Packed sequences (`cu_seqlens` (S + 1,) with (N, V) logits) are accepted and checked; the
     rows are independent, so the result is the same as without."""
     check_bool("entropy", entropy)
@@ -343,8 +345,10 @@ def logprobs(
         if cu_seqlens is not None and temperature.dim() == 1:  # (S,) allowed: per sequence
             packing = packing_for_rows(cu_seqlens, T, logits.device)
         temperature = check_temperature_rows(temperature, B, T, flat, logits.device, packing)
+    if mask is not None:
+        mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device)
     ops.check_not_overwritten(logits, "logprobs")
-    logp, ent = ops.token_logprobs(logits3, tokens2, temperature)
+    logp, ent = ops.token_logprobs(logits3, tokens2, temperature, mask=mask)
     if flat:
         logp, ent = logp.squeeze(0), ent.squeeze(0)
     return (logp, ent) if entropy else logp

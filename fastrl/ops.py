@@ -22,10 +22,11 @@ Two ways through the (B, T, V) logits, both reading them once per use:
   second pass forms e again from the logits), a second pass finishes it.
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
-  fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None)
-      -> (logp, entropy, m, log_s)  # (B, T); m = max_j z'_j, log s = lse - m (for the backward)
+  fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None,
+      skip=None) -> (logp, entropy, m, log_s)  # (B, T); m = max_j z'_j, log s = lse - m (for
+      the backward); rows where the mask `skip` is 0: logp = H = 0, not read, zero gradient
   fastrl::token_stats_grad(logits, tokens, logp, m, log_s, entropy, g, h, temperature,
-      temperature_rows=None) -> grad (B, T, V)
+      temperature_rows=None, skip=None) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)
   fastrl::policy_loss_grad(logits, tokens, <per-token inputs>, config) -> (logp, H, grad)
   fastrl::policy_loss_grad_(logits, ...) -> (logp, H)   # the gradient overwrites `logits`
@@ -119,29 +120,48 @@ def temperature_arg(temperature, temperature_rows: Tensor | None = None):
     return float(temperature)
 
 
-def _row_stats(logits: Tensor, tokens: Tensor, temperature, temperature_rows=None):
+def _row_stats(logits: Tensor, tokens: Tensor, temperature, temperature_rows=None, skip=None):
     """(logp, entropy, m, log_s), each fp32 (B, T), of logits (B, T, V) and tokens (B, T):
     m = max_j z'_j and log s = log sum_j exp(z'_j - m) (lse = m + log s), what `_row_grad_`
     needs for p_j = exp((z'_j - m) - log s), exact at any offset of the logits (exp(z'_j - lse)
     would carry lse's rounding at its own scale, eps |lse|, into every p_j).
     temperature: a float, or a (B, T) tensor of per-row temperatures (as is `temperature_rows`,
-    which replaces it when given)."""
+    which replaces it when given). skip: None, or a (B, T) mask: logp = H = 0 where it is 0,
+    rows the backend need not read (the Triton kernels do not; the CPU skips long runs)."""
     _check_v_contiguous(logits)
     tau = temperature_arg(temperature, temperature_rows)
-    logp, entropy, lse, shifted = backend(logits.device).row_stats(logits, tokens, tau, shift=True)
+    logp, entropy, lse, shifted = backend(logits.device).row_stats(
+        logits, tokens, tau, shift=True, skip=skip
+    )
     m, log_s = (lse, lse.clone()) if shifted is None else shifted  # (None: no rows)
     return logp, entropy, m, log_s
 
 
 def _row_grad_(
-    logits, tokens, logp, m, log_s, entropy, g, h, temperature, out: Tensor, temperature_rows=None
+    logits,
+    tokens,
+    logp,
+    m,
+    log_s,
+    entropy,
+    g,
+    h,
+    temperature,
+    out: Tensor,
+    temperature_rows=None,
+    skip=None,
 ) -> Tensor:
     """SPEC 6's dL/dz of logits (B, T, V) written into `out` (may be `logits`) from the (B, T)
-    statistics of `_row_stats` (logp, m, log_s, entropy) and g, h (h None: 0); temperature as in
-    `_row_stats`."""
+    statistics of `_row_stats` (logp, m, log_s, entropy) and g, h (h None: 0); temperature and
+    `skip` as in `_row_stats` (the rows where skip is 0 get a zero gradient, unread: g and h
+    are zeroed there first, so an upstream gradient at such a row reaches nothing)."""
     tau = temperature_arg(temperature, temperature_rows)
+    if skip is not None:
+        counted = skip.reshape(g.shape) > 0
+        g = torch.where(counted, g, 0.0)
+        h = None if h is None else torch.where(counted, h, 0.0)
     return backend(logits.device).row_grad_(
-        logits, tokens, logp, None, entropy, g, h, tau, out, (m, log_s)
+        logits, tokens, logp, None, entropy, g, h, tau, out, (m, log_s), skip=skip
     )
 
 
@@ -150,21 +170,24 @@ def _define_grad_op(inplace: bool):
     (`inplace`) fastrl::token_stats_grad_, which overwrites `logits` with it: SPEC 6 from the
     row statistics (logp, m, log_s, entropy) and g = grad_logp, h = grad_entropy (None: h = 0),
     all (B, T); temperature_rows (B, T) fp32, when given, is each row's own tau (replacing
-    `temperature`)."""
+    `temperature`); skip (B, T) fp32, when given: rows where it is 0 get a zero gradient,
+    unread."""
     name = "fastrl::token_stats_grad" + ("_" if inplace else "")
     logits_arg = "Tensor(a!) logits" if inplace else "Tensor logits"
     args = (
         "Tensor tokens, Tensor logp, Tensor m, Tensor log_s, Tensor entropy, Tensor g, Tensor? h, "
-        "float temperature, Tensor? temperature_rows=None"
+        "float temperature, Tensor? temperature_rows=None, Tensor? skip=None"
     )
     torch.library.define(name, f"({logits_arg}, {args}) -> {'()' if inplace else 'Tensor'}")
 
     @torch.library.impl(name, "default")
-    def impl(logits, tokens, logp, m, log_s, entropy, g, h, temperature, temperature_rows=None):
+    def impl(
+        logits, tokens, logp, m, log_s, entropy, g, h, temperature, temperature_rows=None, skip=None
+    ):
         _check_v_contiguous(logits)
         out = logits if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
         stats = (logp, m, log_s, entropy, g, h)
-        _row_grad_(logits, tokens, *stats, temperature, out, temperature_rows)
+        _row_grad_(logits, tokens, *stats, temperature, out, temperature_rows, skip)
         return None if inplace else out
 
     @torch.library.register_fake(name)
@@ -186,26 +209,29 @@ def _token_logprobs_op(
     temperature: float,
     inplace: bool,
     temperature_rows: Tensor | None = None,
+    skip: Tensor | None = None,
     source: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logp, entropy, m, log_s) fp32 (B, T) of logits (B, T, V) (`_row_stats`: m and log s
     are for the backward); `inplace` is read by the backward
     only (the gradient overwrites the logits). temperature_rows: None, or fp32 (B, T) per-row
-    temperatures replacing `temperature` (a constant: no gradient). source: SOURCE_KEY, unused
-    here (it keys torch.compile's caches to this version of the backward: _op_args)."""
-    return _row_stats(logits, tokens, temperature, temperature_rows)
+    temperatures replacing `temperature` (a constant: no gradient). skip: None, or an fp32 (B, T)
+    mask: rows where it is 0 give logp = H = 0 and a zero gradient, and are not read (the CPU:
+    long runs of them). source: SOURCE_KEY, unused here (it keys torch.compile's caches to this
+    version of the backward: _op_args)."""
+    return _row_stats(logits, tokens, temperature, temperature_rows, skip)
 
 
 @_token_logprobs_op.register_fake
-def _(logits, tokens, temperature, inplace, temperature_rows=None, source=""):
+def _(logits, tokens, temperature, inplace, temperature_rows=None, skip=None, source=""):
     B, T, _ = logits.shape
     return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(4))
 
 
 def _setup_context(ctx, inputs, output):
-    logits, tokens, temperature, inplace, temperature_rows, _ = inputs
+    logits, tokens, temperature, inplace, temperature_rows, skip, _ = inputs
     logp, entropy, m, log_s = output
-    ctx.save_for_backward(logits, tokens, logp, m, log_s, entropy, temperature_rows)
+    ctx.save_for_backward(logits, tokens, logp, m, log_s, entropy, temperature_rows, skip)
     ctx.temperature = temperature
     ctx.inplace = inplace
     ctx.mark_non_differentiable(m, log_s)
@@ -234,25 +260,25 @@ def refuse_double_backward(op: str) -> None:
 
 def _backward(ctx, grad_logp, grad_entropy, grad_m, grad_log_s):
     refuse_double_backward("logprobs")
-    logits, tokens, logp, m, log_s, entropy, tau_rows = ctx.saved_tensors
+    logits, tokens, logp, m, log_s, entropy, tau_rows, skip = ctx.saved_tensors
     if grad_logp is None:
         grad_logp = torch.zeros_like(logp)
     args = (logits, tokens, logp, m, log_s, entropy, grad_logp, grad_entropy, ctx.temperature,
-            tau_rows)  # fmt: skip
+            tau_rows, skip)  # fmt: skip
     if ctx.inplace:
         version = storage_version(logits)
         token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)
         note_overwritten(logits, version, logits)  # (a later fastrl read of them is refused)
-        return logits.detach(), None, None, None, None, None
-    return token_stats_grad(*args), None, None, None, None, None
+        return logits.detach(), None, None, None, None, None, None
+    return token_stats_grad(*args), None, None, None, None, None, None
 
 
 _token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature=1.0, inplace: bool = False
+    logits: Tensor, tokens: Tensor, temperature=1.0, inplace: bool = False, mask=None
 ) -> tuple[Tensor, Tensor]:
     """Differentiable per-token (logp, entropy), fp32 (B, T), of logits (B, T, V), tokens (B, T).
 
@@ -261,17 +287,21 @@ def token_logprobs(
     One pass over the logits forward; one pass (reading them again and writing dL/dz) backward.
     A V dimension that is not contiguous is copied first (the only copy this op makes).
     `inplace=True` makes the backward write dL/dz into the logits' storage (see
-    fastrl.policy_loss for when that is safe)."""
+    fastrl.policy_loss for when that is safe). mask: None, or (B, T) (checked by the caller:
+    finite, >= 0): a row whose mask is 0 is not read (the CPU: long runs of them), its logp and
+    H are 0 and its gradient is 0, whatever the upstream gradient there."""
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         logits = logits.contiguous()
+    skip = None if mask is None else mask.detach().reshape(tokens.shape).float().contiguous()
+    tau, rows = 1.0, None  # a float tau, or (B, T) per-row temperatures (the float then unused)
     if isinstance(temperature, Tensor):  # (B, T) per token, or () for all
         rows = temperature.detach().float()
         rows = rows.expand(tokens.shape) if rows.dim() == 0 else rows.reshape(tokens.shape)
-        logp, entropy, *_ = _token_logprobs_op(logits, tokens, 1.0, bool(inplace), rows, SOURCE_KEY)
     else:
-        logp, entropy, *_ = _token_logprobs_op(
-            logits, tokens, float(temperature), bool(inplace), None, SOURCE_KEY
-        )
+        tau = float(temperature)
+    logp, entropy, *_ = _token_logprobs_op(
+        logits, tokens, tau, bool(inplace), rows, skip, SOURCE_KEY
+    )
     return logp, entropy
 
 

@@ -802,6 +802,7 @@ def row_grad_(
     temperature,
     out: torch.Tensor,
     shifted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write dL/dz (SPEC 6) into `out` (B, T, V), which may be `logits` itself (in-place).
 
@@ -810,7 +811,9 @@ def row_grad_(
     temperature a float tau or a (B, T) tensor of per-row tau_t (the one the statistics were
     computed with); shifted: None (p_j = exp(z'_j - lse)) or row_stats(shift=True)'s (m, log s)
     (p_j = exp((z'_j - m) - log s): exact at any offset of the logits; `lse` is then not read and
-    may be None). Returns `out`."""
+    may be None). `skip` (the mask given to row_stats, where g = h = 0) is not needed here: a
+    row with g = h = 0 is written as zeros without being read. Returns `out`."""
+    del skip
     B, T, V = logits.shape
     N = B * T
     if N == 0:

@@ -97,6 +97,71 @@ def test_no_grad_fast_path(device):
     torch.testing.assert_close(logp, R.logprobs(logits.detach(), tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("flat", [False, True], ids=["BT", "flat"])
+def test_mask_skips_rows(device, dtype, flat):
+    """`mask=`: a row whose mask is 0 gives logp = H = 0 and a zero gradient whatever the
+    upstream gradient there, and is not read (NaN logits in it change nothing: on the Triton
+    path every masked row, on the CPU the long run of padding at the end of sequence 0; the
+    scattered masked rows the CPU reads anyway are still zeroed). The counted rows equal the
+    reference, and the gradient equals the reference's of the masked sum."""
+    B, T, V = 3, 9, 3000
+    logits = torch.randn(B, T, V, device=device).mul(3).to(dtype)
+    tokens = torch.randint(0, V, (B, T), device=device)
+    mask = torch.ones(B, T, device=device)
+    mask[0, 3:] = 0  # padding: 6 rows
+    mask[1, 4] = 0  # a scattered masked row
+    mask[2, 0] = 0.5  # a fractional weight still counts
+    poisoned = logits.masked_fill((mask == 0)[..., None], float("nan"))
+    if flat:
+        poisoned, logits, tokens, mask = (t.flatten(0, 1) for t in (poisoned, logits, tokens, mask))
+    (frtol, fatol), (grtol, gatol) = TOL[dtype]
+    x = poisoned.clone().requires_grad_()
+    xr = logits.float().requires_grad_()
+    logp, ent = fastrl.logprobs(x, tokens, entropy=True, mask=mask)
+    rlogp, rent = R.logprobs(xr, tokens, entropy=True)
+    counted = mask > 0
+    assert (logp[~counted] == 0).all() and (ent[~counted] == 0).all()
+    torch.testing.assert_close(logp[counted], rlogp[counted], rtol=frtol, atol=fatol)
+    torch.testing.assert_close(ent[counted], rent[counted], rtol=frtol, atol=fatol)
+    w1, w2 = torch.randn(2, *tokens.shape, device=device)
+    (logp * w1 + ent * w2).sum().backward()  # (an upstream gradient at masked rows too)
+    ((rlogp * w1 + rent * w2) * counted).sum().backward()
+    assert x.grad.dtype == dtype and (x.grad[~counted] == 0).all()
+    scale = xr.grad.abs().max().item()
+    torch.testing.assert_close(x.grad.float(), xr.grad, rtol=grtol, atol=gatol * scale)
+    with torch.no_grad():
+        assert torch.equal(fastrl.logprobs(poisoned, tokens, mask=mask), logp.detach())
+
+
+def test_mask_skips_runs_on_the_cpu(monkeypatch):
+    """The CPU backend does not read a long masked run (the padding at a sequence's end:
+    chunked._runs_to_read) in the forward nor in the backward, whose rows it zeroes."""
+    from fastrl import chunked
+
+    monkeypatch.setenv("FASTRL_BACKEND", "torch")
+    B, T, V = 2, 12, 131072  # a masked run is skipped from 4 rows of 131072 logits on
+    logits = torch.randn(B, T, V)
+    tokens = torch.randint(0, V, (B, T))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 5:] = False  # skipped
+    mask[1, 2] = False  # read
+    seen = []
+    real = chunked._rows
+
+    def spy(t, r0, r1):
+        seen.append((r0, r1))
+        return real(t, r0, r1)
+
+    monkeypatch.setattr(chunked, "_rows", spy)
+    x = logits.clone().requires_grad_()
+    fastrl.logprobs(x, tokens, mask=mask).sum().backward()
+    assert seen and all(r1 <= 5 or r0 >= 12 for r0, r1 in seen), seen
+    ref = logits.clone().requires_grad_()
+    (R.logprobs(ref, tokens) * mask).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_extreme_logits(device):
     """Huge / tiny logits and a row of equal logits: stable (online max), entropy log V."""
     logits = torch.tensor(
@@ -131,6 +196,10 @@ def test_bad_inputs():
         fastrl.logprobs(logits, tokens + 5)
     with pytest.raises(ValueError, match="logits has shape .*float32, bfloat16 or float16"):
         fastrl.logprobs(logits.double(), tokens)
+    with pytest.raises(ValueError, match=r"mask must be .* of shape \(2, 3\)"):
+        fastrl.logprobs(logits, tokens, mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="mask must hold finite values >= 0"):
+        fastrl.logprobs(logits, tokens, mask=torch.full((2, 3), -1.0))
 
 
 def test_ops_reject_strided_vocab():

@@ -574,5 +574,6 @@ def sequence_logprobs(
             continue
         logits, _ = forward_completion_logits(model, rollout, idx)
         logits = truncate_like_sampler(logits, tokens, temperature, top_k, top_p)
-        parts.append(logprobs(logits, tokens, temperature=temperature).float())
+        mask = rollout.completion_mask[idx]  # (padding rows are not read)
+        parts.append(logprobs(logits, tokens, temperature=temperature, mask=mask).float())
     return torch.cat(parts) * rollout.completion_mask

@@ -66,7 +66,7 @@ def supervised_warmup(run: Run, policy: nn.Module) -> None:
     def nll(r: Rollout) -> torch.Tensor:
         with run.amp():
             logits, _ = forward_completion_logits(policy, r)
-            lp = logprobs(logits, r.completion_ids)
+            lp = logprobs(logits, r.completion_ids, mask=r.completion_mask)
         return -(lp * r.completion_mask).sum() / r.completion_mask.sum()
 
     def refuse(what: str) -> None:
