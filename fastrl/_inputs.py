@@ -355,7 +355,11 @@ def prepare_policy_inputs(
     packing = None
     if cu_seqlens is not None:
         if not flat:
-            rows = "(N, H) hidden states" if logits is None else "(N, V) logits"
+            rows = (
+                "(N, V) logits"
+                if logits is not None
+                else "(N,) log-probs" if per_token is not None else "(N, H) hidden states"
+            )
             raise ValueError(
                 f"cu_seqlens is given, so the rows must be flat {rows} / (N,) per-token "
                 f"tensors of packed sequences, got (B, T) = {(B, T)}"
@@ -434,9 +438,15 @@ def prepare_policy_inputs(
         used = [f"{k}={getattr(cfg, k)!r}" for k, on in seq_opts.items() if on]
         if used:
             what = "per-token tensors" if logits is None else f"logits {(T, logits.shape[-1])}"
+            inputs = (
+                "logits (B, T, V)"
+                if logits is not None
+                else "logp (B, T)" if per_token is not None else "hidden (B, T, H)"
+            )
             raise ValueError(
-                f"{', '.join(used)} needs sequences: pass (B, T) inputs (logits (B, T, V) and "
-                f"tokens (B, T)), not flat {what}"
+                f"{', '.join(used)} needs sequences: pass (B, T) inputs ({inputs} and the "
+                f"per-token tensors (B, T)), or flat rows with cu_seqlens marking each "
+                f"sequence, not flat {what} alone"
             )
     return PolicyInputs(
         logits,

@@ -235,7 +235,15 @@ def _packed_group_advantages(rewards, cu_seqlens, mask, **kw) -> Tensor:
             f"mask must be a row mask of shape (N,) with cu_seqlens, got {describe(mask)}"
         )
     N = mask.shape[0] if mask is not None else int(cu_seqlens[-1])
-    pack = make_packing(cu_seqlens, N, rewards.device, max_seqlen=None)
+    try:
+        pack = make_packing(cu_seqlens, N, rewards.device, max_seqlen=None)
+    except ValueError as e:
+        if mask is None:
+            raise
+        raise ValueError(
+            f"{e}; here N is the length of mask {describe(mask)}: mask and cu_seqlens must cover "
+            "the same rows"
+        ) from None
     if rewards.dim() != 1 or rewards.shape[0] != pack.num_seqs:
         raise ValueError(
             f"rewards must have shape ({pack.num_seqs},) (one per packed sequence of "

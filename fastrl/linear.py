@@ -135,7 +135,10 @@ def _under_autocast(hidden: Tensor, weight: Tensor, bias: Tensor | None):
     """Inside torch.autocast the LM head runs as `F.linear` would: hidden, weight and bias are
     cast to the autocast dtype (differentiable casts, so an fp32 weight receives an fp32
     gradient) and the fused op then runs with autocast off, in that one dtype. Returns
-    (hidden, weight, bias, context)."""
+    (hidden, weight, bias, context). (A `hidden` that is no tensor is returned as is, for
+    `_check_linear` to name.)"""
+    if not isinstance(hidden, Tensor):
+        return hidden, weight, bias, contextlib.nullcontext()
     dtype = _autocast_dtype(hidden.device)
     if dtype is None:
         return hidden, weight, bias, contextlib.nullcontext()

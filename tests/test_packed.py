@@ -170,6 +170,22 @@ def test_bad_packed_inputs_name_the_argument():
     hidden, weight = torch.randn(B, T, 4), torch.randn(q["logits"].shape[-1], 4)
     with pytest.raises(ValueError, match=r"rows must be flat \(N, H\) hidden states"):
         fastrl.fused_linear_policy_loss(hidden, weight, q["tokens"], adv, cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"rows must be flat \(N,\) log-probs"):
+        fastrl.policy_loss_from_logprobs(torch.randn(B, T), None, adv, cu_seqlens=cu)
+    # each entry point names its own inputs, and the packed alternative
+    flat_hidden = hidden.reshape(B * T, 4)
+    with pytest.raises(ValueError, match=r"pass \(B, T\) inputs \(hidden \(B, T, H\).*cu_seqlens"):
+        fastrl.fused_linear_policy_loss(flat_hidden, weight, q["tokens"].reshape(-1),
+                                        torch.randn(B * T), config="gspo")  # fmt: skip
+    with pytest.raises(ValueError, match=r"pass \(B, T\) inputs \(logp \(B, T\)"):
+        fastrl.policy_loss_from_logprobs(torch.randn(B * T), None, torch.randn(B * T),
+                                         config="gspo")  # fmt: skip
+    with pytest.raises(ValueError, match="hidden must be a float32 / bfloat16 / float16 tensor"):
+        fastrl.linear_logprobs(None, weight, q["tokens"])
+    with pytest.raises(ValueError, match=r"N is the length of mask shape \(8,\)"):
+        fastrl.group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.5]), group_size=2,
+                                estimator="reinforce++", cu_seqlens=torch.tensor([0, 3, 3, 5, 9]),
+                                mask=torch.ones(8))  # fmt: skip
     with pytest.raises(
         ValueError, match=r"advantages .*\(19,\) or \(1, 19\) \(like tokens\) or \(6,\)"
     ):
