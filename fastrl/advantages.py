@@ -154,13 +154,17 @@ def group_advantages(
     exactly 0. Computed in float64, scale-safe (σ from values divided by their group's max
     |R - μ_g| before squaring: ±1e200 in fp64 works). Returns fp32. A NaN or ±inf reward is
     a ValueError (it would make its group's mean and σ NaN); `check=False` skips that check (a
-    host read on an accelerator) and such a group's advantages are then NaN.
+    host read on an accelerator) and such a group's advantages are then NaN (every advantage,
+    with scale="batch" or reinforce++, whose statistics span the batch).
 
     Packed sequences: with `cu_seqlens` (B + 1,) (the B responses laid end to end as N rows, see
     fastrl.packing) the result is per row, (N,): each response's advantage repeated over its
-    rows, and reinforce++ whitens over the rows of `mask` (N,) when given (the same numbers as
-    the padded (B, T) call). N is read from cu_seqlens[-1] (a host sync on an accelerator)
-    unless `mask` gives it."""
+    rows. A `mask` (N,) is then accepted by every estimator: it gives N (else read from
+    cu_seqlens[-1], a host sync on an accelerator), and reinforce++ whitens over its rows (the
+    same numbers as the padded (B, T) call with that mask; pass all ones for SPEC 7's
+    whitening over every row). grpo / rloo values do not depend on it, and reinforce++
+    without it whitens over the B responses, as the unpacked call without a mask, each value
+    then repeated over its response's rows."""
     check = check_bool("check", check)
     if cu_seqlens is not None:
         return _packed_group_advantages(
@@ -247,7 +251,7 @@ def _packed_group_advantages(rewards, cu_seqlens, mask, **kw) -> Tensor:
     if rewards.dim() != 1 or rewards.shape[0] != pack.num_seqs:
         raise ValueError(
             f"rewards must have shape ({pack.num_seqs},) (one per packed sequence of "
-            f"cu_seqlens), got {describe(rewards)}"
+            f"cu_seqlens {tuple(cu_seqlens.shape)}: S + 1 boundaries), got {describe(rewards)}"
         )
     if kw["estimator"] != "reinforce++" or mask is None:  # (mask gave N only)
         return pack.per_row(group_advantages(rewards, **kw))

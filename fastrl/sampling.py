@@ -14,7 +14,8 @@ A small τ: the PyTorch path and the top-k / top-p copy divide max-shifted logit
 (the same softmax), so any τ >= 5.88e-39 (config.TAU_MIN: 1 / τ times log2 e finite in fp32,
 the smallest taken) samples exactly. The kernel multiplies by 1 / τ in its single pass: there
 |z| / τ must stay finite in fp32 (|z| <= 3.4e38 τ), else that row's logp / entropy are NaN
-(never a silent value); for the τ -> 0 limit pass temperature = 0 (greedy).
+(never a silent value) and its token is no draw (the first of the overflowed entries wins);
+for the τ -> 0 limit pass temperature = 0 (greedy).
 
 Per-row temperature: `temperature` may be a tensor (N,) (one τ_r per row, e.g. per request of a
 batch) or () (one for all rows), any float dtype (used in fp32), every value finite and

@@ -340,11 +340,12 @@ def _sample_slice(
 @triton.jit
 def _sample_store(tokens_ptr, logp_ptr, entropy_ptr, row, m, s, w, n_nan, best_idx, best_z):
     # token = best_idx, logp = (z'_y - m) - log s, H = log s - w / s; logp = H = NaN for a row
-    # with a NaN logit.
+    # with a NaN logit, and for one whose z' = z / tau overflowed to +inf (m = inf: |z| / tau
+    # past fp32's range), where H would otherwise come out as a finite 0.
     log_s, lse, entropy = _lse_finish(m, s, w, n_nan)
     tl.store(tokens_ptr + row, best_idx.to(tl.int64))
     tl.store(logp_ptr + row, tl.where(n_nan > 0, float("nan"), (best_z - m) - log_s))
-    tl.store(entropy_ptr + row, entropy)
+    tl.store(entropy_ptr + row, tl.where(m == float("inf"), float("nan"), entropy))
 
 
 @triton.jit

@@ -141,9 +141,14 @@ def test_group_advantages_packed_equals_padded(estimator):
     else:
         per_seq = fastrl.group_advantages(rewards, **kw)
         torch.testing.assert_close(packed, torch.repeat_interleave(per_seq, torch.tensor(LENS)))
-    # without a mask N is read from cu_seqlens
+    # without a mask N is read from cu_seqlens, and every estimator gives the unpacked call's
+    # (B,) values repeated over each response's rows (reinforce++ then whitens over the B
+    # responses, as the unpacked call without a mask: documented, not SPEC 7's token whitening)
     no_mask = fastrl.group_advantages(rewards, cu_seqlens=cu, **kw)
-    assert no_mask.shape == (sum(LENS),)
+    per_seq = fastrl.group_advantages(rewards, **kw)
+    torch.testing.assert_close(no_mask, torch.repeat_interleave(per_seq, torch.tensor(LENS)))
+    with pytest.raises(ValueError, match=r"one per packed sequence of cu_seqlens \(7,\)"):
+        fastrl.group_advantages(rewards[:5], cu_seqlens=cu, **kw)
 
 
 @pytest.mark.parametrize(

@@ -232,6 +232,13 @@ def test_kernel_at_the_smallest_temperature(kernel_dev):
     z[:, 0], z[:, 9] = 2.0, 2.1
     tokens, logp, _ = S.sample_rows(z, seed, 1 / 1.5e38, False)
     assert tokens.tolist() == [9, 9] and logp.tolist() == [0.0, 0.0]
+    # |z| / τ past fp32's range (3 / 6e-39 = 5e38): logp and H NaN, never a silent value (H
+    # came out as a finite 0 until 2026-11-28), in both launch shapes; the row within range is exact
+    z = torch.tensor([[1.0, 3.0, 2.0, 0.5], [-1.0, -3.0, 2.0, 0.5]], device=dev)
+    for split in (0, 32):
+        _, logp, entropy = S.sample_rows(z, seed, 6e-39, False, split_chunk=split)
+        assert logp[0].isnan() and entropy[0].isnan()
+        assert logp[1].item() == 0.0 and entropy[1].item() == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
