@@ -358,7 +358,9 @@ def prepare_policy_inputs(
             rows = (
                 "(N, V) logits"
                 if logits is not None
-                else "(N,) log-probs" if per_token is not None else "(N, H) hidden states"
+                else "(N,) log-probs"
+                if per_token is not None
+                else "(N, H) hidden states"
             )
             raise ValueError(
                 f"cu_seqlens is given, so the rows must be flat {rows} / (N,) per-token "
@@ -441,7 +443,9 @@ def prepare_policy_inputs(
             inputs = (
                 "logits (B, T, V)"
                 if logits is not None
-                else "logp (B, T)" if per_token is not None else "hidden (B, T, H)"
+                else "logp (B, T)"
+                if per_token is not None
+                else "hidden (B, T, H)"
             )
             raise ValueError(
                 f"{', '.join(used)} needs sequences: pass (B, T) inputs ({inputs} and the "
