@@ -8,11 +8,12 @@ buffers per worker thread: `_threads`) and it never makes an fp32 copy of all th
 
 The backend interface (the same names as the Triton launchers in fastrl/kernels/policy_loss.py;
 `fastrl.ops.backend(device)` picks one of the two modules):
-  row_stats(logits, tokens, tau, shift=False, skip=None) -> fp32 (B, T) logp, H, lse
+  row_stats(logits, tokens, tau, shift=False, skip=None, entropy=True) -> fp32 logp, H, lse
                                               (one exp per logit; tau: a float, or a (B, T)
                                               per-row tensor; with `shift`, also (m, log s):
                                               lse = m + log s; logp = H = 0 where the mask
-                                              `skip` is 0, rows the Triton kernels do not read)
+                                              `skip` is 0, rows the Triton kernels do not read;
+                                              `entropy` False: H may be left 0, here not formed)
   row_grad_(logits, tokens, logp, lse, H, g, h, tau, out, shifted, skip=None)
                                               SPEC 6's dL/dz into `out`, p_j from `shifted` =
                                               (m, log s), exactly at any offset (lse unread);
@@ -227,7 +228,13 @@ def _rows(x: Tensor, r0: int, r1: int) -> Tensor:
 
 
 def row_stats(
-    logits: Tensor, tokens: Tensor, temperature, *, shift: bool = False, skip: Tensor | None = None
+    logits: Tensor,
+    tokens: Tensor,
+    temperature,
+    *,
+    shift: bool = False,
+    skip: Tensor | None = None,
+    entropy: bool = True,
 ):
     """logp, entropy, lse (fp32 (B, T)) of logits (B, T, V), `chunk_rows(V)` rows at a time
     (one exp per logit; H from max-shifted values); temperature a float or a (B, T) tensor of
@@ -237,13 +244,14 @@ def row_stats(
     `row_grad_`'s exact p_j (as kernels/policy_loss.py's row_stats). `skip`: None, or a mask
     (B * T elements): logp and H are 0 where it is 0, and runs of such rows long enough to pay
     (`_runs_to_read`) are not read (their lse, m and log s are 0 too; `row_grad_` given the
-    same `skip` does not read them either)."""
+    same `skip` does not read them either). `entropy` False: H is not formed (returned as 0:
+    on the CPU two of the five element-wise passes over each block are H's)."""
     runs = _runs_to_read(skip, logits.shape[0] * logits.shape[1], logits.shape[2])
-    logp, entropy, log_s, lse, m = stats_e(
-        logits, tokens, temperature, None, with_max=True, runs=runs
+    logp, ent, log_s, lse, m = stats_e(
+        logits, tokens, temperature, None, with_max=True, runs=runs, entropy=entropy
     )
-    logp, entropy = _zero_skipped(logp, entropy, skip)
-    return (logp, entropy, lse, (m, log_s)) if shift else (logp, entropy, lse)
+    logp, ent = _zero_skipped(logp, ent, skip)
+    return (logp, ent, lse, (m, log_s)) if shift else (logp, ent, lse)
 
 
 def row_temperature(temperature, N: int):
@@ -396,18 +404,22 @@ def _row_max(x: Tensor) -> Tensor:
     return m.masked_fill_(m == float("-inf"), 0.0)
 
 
-def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
+def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out, entropy: bool = True):
     """One exp per logit over a chunk: rows (R, V) logits (any dtype), y (R,) tokens,
-    temperature a float or an fp32 (R, 1) column of the rows' own temperatures.
+    temperature a float or an fp32 (R, 1) column of the rows' own temperatures. `entropy`
+    False: H is not formed (returned as 0; two passes fewer over each block).
 
     Returns fp32 (R,) logp = u_y - log s, H = log s - sum e u / s (u = z' - m, e = exp(u),
     s = sum e: no cancellation at large offsets or low temperature), log s and the row max m of
     z' (lse = m + log s). With `e_out` (R, V) fp32, e is written there. The element-wise work runs
     `work.S` rows at a time in cache-sized buffers: e is written once, the logits read once."""
     R, V = rows.shape
+    with_h = entropy
     logp, entropy, log_s, m_all = (
         torch.empty(R, dtype=torch.float32, device=rows.device) for _ in range(4)
     )
+    if not with_h:
+        entropy.zero_()
     for a in range(0, R, work.S):
         b = min(R, a + work.S)
         x, yb = rows[a:b], y[a:b]
@@ -425,6 +437,12 @@ def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
         y_ok = (yb >= 0) & (yb < V)
         u_y = u.gather(1, torch.where(y_ok, yb, 0)[:, None]).squeeze(1)
         s = e.sum(-1)  # (S,)
+        ls = torch.log(s)
+        logp[a:b] = torch.where(y_ok, u_y - ls, float("nan"))
+        log_s[a:b] = ls
+        m_all[a:b] = m.view(-1)
+        if not with_h:
+            continue
         # sum_j e_j u_j, in u's memory. A -inf logit has e = 0 and must add 0, not
         # 0 * -inf = NaN: such rows are redone on the CPU (a plain read); elsewhere u is clamped
         # first (no host sync). NaN rows stay NaN.
@@ -436,11 +454,7 @@ def _chunk_stats(rows: Tensor, y: Tensor, temperature, work: _Work, e_out):
                 sum_eu[idx] = torch.where(e[idx] == 0, 0.0, u[idx]).sum(-1)
         else:
             sum_eu = u.clamp_(min=torch.finfo(torch.float32).min).mul_(e).sum(-1)
-        ls = torch.log(s)
-        logp[a:b] = torch.where(y_ok, u_y - ls, float("nan"))
         entropy[a:b] = ls - sum_eu / s
-        log_s[a:b] = ls
-        m_all[a:b] = m.view(-1)
     return logp, entropy, log_s, m_all
 
 
@@ -498,7 +512,13 @@ def _chunk_finish_(e: Tensor, y, logp, entropy, log_s, g, h, temperature, work: 
 
 
 def stats_e(
-    logits: Tensor, tokens: Tensor, temperature, out: Tensor | None, with_max=False, runs=None
+    logits: Tensor,
+    tokens: Tensor,
+    temperature,
+    out: Tensor | None,
+    with_max=False,
+    runs=None,
+    entropy: bool = True,
 ):
     """Row statistics of logits (B, T, V) with one exp per logit, `chunk_rows(V)` rows at a
     time: fp32 (B, T) logp, H, log s and lse (see `_chunk_stats`), and with `with_max` the row
@@ -506,7 +526,8 @@ def stats_e(
     temperatures. With `out` (B, T, V), e is also written there (`out` may be the logits' own
     storage: each chunk is read first). Only an fp32 `out` keeps e exactly: `keeps_e(out)`; the
     caller passes no other. `runs`: None, or the row ranges to read (`_runs_to_read`); the
-    statistics of the other rows are 0 (and `out` is not written there)."""
+    statistics of the other rows are 0 (and `out` is not written there). `entropy` False: H is
+    not formed (0)."""
     B, T, V = logits.shape
     N = B * T
     new = torch.empty if runs is None else torch.zeros
@@ -517,7 +538,7 @@ def stats_e(
     def body(r0, r1, work):
         e = None if out is None else work.target(out, r0, r1)[1]
         logp, ent, log_s, m = _chunk_stats(
-            _rows(logits, r0, r1), y_all[r0:r1], _chunk_tau(tau_all, r0, r1), work, e
+            _rows(logits, r0, r1), y_all[r0:r1], _chunk_tau(tau_all, r0, r1), work, e, entropy
         )
         for dst, val in zip(stats, (logp, ent, log_s, m + log_s, m)):
             dst[r0:r1] = val

@@ -348,7 +348,7 @@ def logprobs(
     if mask is not None:
         mask = check_mask("mask", mask, tuple(tokens.shape), tokens.device)
     ops.check_not_overwritten(logits, "logprobs")
-    logp, ent = ops.token_logprobs(logits3, tokens2, temperature, mask=mask)
+    logp, ent = ops.token_logprobs(logits3, tokens2, temperature, mask=mask, entropy=entropy)
     if flat:
         logp, ent = logp.squeeze(0), ent.squeeze(0)
     return (logp, ent) if entropy else logp

@@ -120,18 +120,21 @@ def temperature_arg(temperature, temperature_rows: Tensor | None = None):
     return float(temperature)
 
 
-def _row_stats(logits: Tensor, tokens: Tensor, temperature, temperature_rows=None, skip=None):
+def _row_stats(
+    logits: Tensor, tokens: Tensor, temperature, temperature_rows=None, skip=None, entropy=True
+):
     """(logp, entropy, m, log_s), each fp32 (B, T), of logits (B, T, V) and tokens (B, T):
     m = max_j z'_j and log s = log sum_j exp(z'_j - m) (lse = m + log s), what `_row_grad_`
     needs for p_j = exp((z'_j - m) - log s), exact at any offset of the logits (exp(z'_j - lse)
     would carry lse's rounding at its own scale, eps |lse|, into every p_j).
     temperature: a float, or a (B, T) tensor of per-row temperatures (as is `temperature_rows`,
     which replaces it when given). skip: None, or a (B, T) mask: logp = H = 0 where it is 0,
-    rows the backend need not read (the Triton kernels do not; the CPU skips long runs)."""
+    rows the backend need not read (the Triton kernels do not; the CPU skips long runs).
+    entropy False: the caller never reads H (the CPU backend then does not form it)."""
     _check_v_contiguous(logits)
     tau = temperature_arg(temperature, temperature_rows)
     logp, entropy, lse, shifted = backend(logits.device).row_stats(
-        logits, tokens, tau, shift=True, skip=skip
+        logits, tokens, tau, shift=True, skip=skip, entropy=entropy
     )
     m, log_s = (lse, lse.clone()) if shifted is None else shifted  # (None: no rows)
     return logp, entropy, m, log_s
@@ -210,6 +213,7 @@ def _token_logprobs_op(
     inplace: bool,
     temperature_rows: Tensor | None = None,
     skip: Tensor | None = None,
+    with_entropy: bool = True,
     source: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logp, entropy, m, log_s) fp32 (B, T) of logits (B, T, V) (`_row_stats`: m and log s
@@ -217,19 +221,23 @@ def _token_logprobs_op(
     only (the gradient overwrites the logits). temperature_rows: None, or fp32 (B, T) per-row
     temperatures replacing `temperature` (a constant: no gradient). skip: None, or an fp32 (B, T)
     mask: rows where it is 0 give logp = H = 0 and a zero gradient, and are not read (the CPU:
-    long runs of them). source: SOURCE_KEY, unused here (it keys torch.compile's caches to this
-    version of the backward: _op_args)."""
-    return _row_stats(logits, tokens, temperature, temperature_rows, skip)
+    long runs of them). with_entropy False: the entropy output is not to be read (the CPU does
+    not form it; nor may its gradient be used). source: SOURCE_KEY, unused here (it keys
+    torch.compile's caches to this version of the backward: _op_args)."""
+    return _row_stats(logits, tokens, temperature, temperature_rows, skip, with_entropy)
 
 
 @_token_logprobs_op.register_fake
-def _(logits, tokens, temperature, inplace, temperature_rows=None, skip=None, source=""):
+def _(
+    logits, tokens, temperature, inplace, temperature_rows=None, skip=None, with_entropy=True,
+    source="",
+):  # fmt: skip
     B, T, _ = logits.shape
     return tuple(logits.new_empty((B, T), dtype=torch.float32) for _ in range(4))
 
 
 def _setup_context(ctx, inputs, output):
-    logits, tokens, temperature, inplace, temperature_rows, skip, _ = inputs
+    logits, tokens, temperature, inplace, temperature_rows, skip, _, _ = inputs
     logp, entropy, m, log_s = output
     ctx.save_for_backward(logits, tokens, logp, m, log_s, entropy, temperature_rows, skip)
     ctx.temperature = temperature
@@ -270,15 +278,20 @@ def _backward(ctx, grad_logp, grad_entropy, grad_m, grad_log_s):
         token_stats_grad_(*args)
         torch.autograd.graph.increment_version(logits)
         note_overwritten(logits, version, logits)  # (a later fastrl read of them is refused)
-        return logits.detach(), None, None, None, None, None, None
-    return token_stats_grad(*args), None, None, None, None, None, None
+        return logits.detach(), None, None, None, None, None, None, None
+    return token_stats_grad(*args), None, None, None, None, None, None, None
 
 
 _token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature=1.0, inplace: bool = False, mask=None
+    logits: Tensor,
+    tokens: Tensor,
+    temperature=1.0,
+    inplace: bool = False,
+    mask=None,
+    entropy: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Differentiable per-token (logp, entropy), fp32 (B, T), of logits (B, T, V), tokens (B, T).
 
@@ -289,7 +302,8 @@ def token_logprobs(
     `inplace=True` makes the backward write dL/dz into the logits' storage (see
     fastrl.policy_loss for when that is safe). mask: None, or (B, T) (checked by the caller:
     finite, >= 0): a row whose mask is 0 is not read (the CPU: long runs of them), its logp and
-    H are 0 and its gradient is 0, whatever the upstream gradient there."""
+    H are 0 and its gradient is 0, whatever the upstream gradient there. entropy=False: the
+    returned H is not to be read (nor differentiated): the CPU then skips forming it."""
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         logits = logits.contiguous()
     skip = None if mask is None else mask.detach().reshape(tokens.shape).float().contiguous()
@@ -299,10 +313,10 @@ def token_logprobs(
         rows = rows.expand(tokens.shape) if rows.dim() == 0 else rows.reshape(tokens.shape)
     else:
         tau = float(temperature)
-    logp, entropy, *_ = _token_logprobs_op(
-        logits, tokens, tau, bool(inplace), rows, skip, SOURCE_KEY
+    logp, ent, *_ = _token_logprobs_op(
+        logits, tokens, tau, bool(inplace), rows, skip, bool(entropy), SOURCE_KEY
     )
-    return logp, entropy
+    return logp, ent
 
 
 # ======================================================================= gradient in the forward

@@ -744,6 +744,7 @@ def row_stats(
     split_chunk: int | None = None,
     shift: bool = False,
     skip: torch.Tensor | None = None,
+    entropy: bool = True,
 ):
     """lse, logp and entropy of every row in one pass.
 
@@ -755,7 +756,9 @@ def row_stats(
     (logp, entropy, lse, shifted): shifted = (m, log s) fp32 (B, T) of each row (lse = m +
     log s), for row_grad_'s exact p_j (None when N = 0). `skip`: None, or the loss's mask
     (B * T elements, any float dtype): a row whose mask is 0 is not read, and every output of it
-    (logp, entropy, lse, m, log s) is 0."""
+    (logp, entropy, lse, m, log s) is 0. `entropy` (False: the caller needs no H) is not read:
+    the kernels form H in the same sweep, at the logits' read rate."""
+    del entropy
     B, T, V = logits.shape
     assert V == 1 or logits.stride(-1) == 1, "the V dimension of the logits must be contiguous"
     logp, entropy, lse = (
