@@ -460,6 +460,42 @@ def _median(r: dict) -> str:
     return f"{_fmt(r['median_ms'])} ({_fmt(r['q20_ms'])} - {_fmt(r['q80_ms'])})"
 
 
+def _logprobs(data: dict) -> list[str]:
+    """bench_logprobs: the no-grad log-probs of each method, entry by entry ("logits": GB/s of
+    reading the logits once; "hidden": TFLOP/s of the one GEMM and the time over its floor),
+    the speed-up over TRL's method of the entry, peak memory; skipped rows' reasons as notes."""
+    meta, rows = data["meta"], data["rows"]
+    first = rows[0] if rows else {}
+    shape = ", ".join(f"{k} = {first[k]}" for k in ("B", "T", "V", "dtype") if k in first)
+    H = next((r["H"] for r in rows if "H" in r), None)
+    share = meta.get("counted_share")
+    cells = []
+    for r in rows:
+        if "GBs" in r:
+            rate = f"{_fmt(r['GBs'])} GB/s ({_fmt(r.get('pct_bw'))} %)"
+        else:
+            rate = f"{_fmt(r.get('TFLOPs'), 2)} TFLOP/s ({_x(r.get('x_gemm_floor'))} floor)"
+        err = r.get("max_abs_err_logp")
+        cells.append([r["method"], _median(r), _x(r.get("speedup_vs_trl")), rate,
+                      _fmt(r.get("peak_MB"), 0), "" if err is None else f"{err:.1e}"])  # fmt: skip
+    columns = ["method", "median ms (q20 - q80)", "vs TRL's", "rate", "peak MiB above inputs"]
+    columns += ["max abs logp error"]
+    counted = "" if share is None else f", {100 * share:.0f} % of the positions counted"
+    hidden = "" if H is None else f"; H = {H} for the hidden-state entry"
+    threads = f", {meta['torch_threads']} torch thread(s)" if meta.get("torch_threads") else ""
+    intro = (
+        f"**No-grad log-probs of pi_old / pi_ref from a padded batch** ({shape}{counted}{hidden}): "
+        "`logits:` rows take the (B, T, V) logits (GB/s: reading them once, "
+        f"{_bandwidth(meta)}), `hidden:` rows the last hidden states and the LM-head weight "
+        "(TFLOP/s of the one GEMM, 2 N H V; `x floor`: the time over the bare GEMM's); "
+        "`vs TRL's`: TRL 1.16's method of the same entry over this one; logp error: the "
+        "largest |logp - exact| at counted tokens (exact: fp32 log_softmax of the logits, or "
+        f"of the GEMM formed in fp32). {_machine(meta)}"
+        f"{threads}"
+    )
+    return _table(intro, columns, cells, meta.get("notes"))
+
+
 def _kernel_configs(data: dict) -> list[str]:
     """bench_kernel_configs: per vocabulary, the copy floor, the end-to-end calls and the
     fastest and slowest configuration of each kernel in the table; every row in a folded one."""
@@ -659,6 +695,7 @@ MEASURES = {
     ],
     "bench_vocab_parallel": [*_LIBRARY, "benchmarks/bench_vocab_parallel.py", *_HARNESS],
     "bench_kernel_configs": [*_LIBRARY, "benchmarks/bench_kernel_configs.py", *_HARNESS],
+    "bench_logprobs": [*_LIBRARY, "benchmarks/bench_logprobs.py", *_WITH_BASELINES],
 }
 
 
@@ -677,7 +714,7 @@ def _git(*args: str) -> str | None:
 # a kernel-only change leaves those recordings current.
 _CPU_WITHOUT_KERNELS = (
     "bench_policy_loss", "bench_fused_linear", "bench_packed", "bench_vocab_parallel",
-    "train_summary", "learning_vs_trl", "learning",
+    "train_summary", "learning_vs_trl", "learning", "bench_logprobs",
 )  # fmt: skip
 
 
@@ -758,7 +795,8 @@ def tables(block: str, results: Path | None = None) -> str:
     (learning.json, the table bench_learning.py wrote beside it), "vs_trl" (the same for each
     learning_vs_trl*.json of bench_learning.py --vs-trl), "policy_summary" (a bullet of ranges
     per bench_policy_loss file: the prose over the tables), "scale" (bench_packed and
-    bench_vocab_parallel) or "bench" (the policy-loss, fused-linear, GAE and sampler files), from
+    bench_vocab_parallel) or "bench" (the policy-loss, fused-linear, log-probs, GAE and sampler
+    files), from
     the results files in `results` (default benchmarks/results/)."""
     results = Path(results or RESULTS)
     out: list[str] = []
@@ -816,6 +854,8 @@ def tables(block: str, results: Path | None = None) -> str:
             )
         elif name.startswith("bench_kernel_configs"):
             lines = _kernel_configs(data)
+        elif name.startswith("bench_logprobs"):
+            lines = _logprobs(data)
         elif name.startswith("bench_sample"):
             lines = _generic(
                 data,

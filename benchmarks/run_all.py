@@ -32,6 +32,9 @@ that pytest-gpu cut short still writes the counts it has); its stdout + stderr g
                   chunk-size sweep (--chunk-sizes 256 1024 2048 4096 8192, CUDA only: the
                   library's GPU default, 2048 rows, was chosen from it; ten more rows, about
                   a minute on an H200, within the stage's timeout)
+  logprobs        bench_logprobs.py: the no-grad log-probs of pi_old / pi_ref from a padded batch,
+                  from the logits and from the LM head, against TRL's and verl's (CUDA B = 16,
+                  T = 1024, V = 151936, H = 4096, bf16)
   packed          bench_packed.py: packed (cu_seqlens) vs padded batches at ~50 % padding, its
                   defaults (CUDA S = 64, T = 2048, V = 151936, bf16; rows that do not fit are
                   kept as out of memory); --quick: its --quick mode in fp32
@@ -108,7 +111,10 @@ PY = sys.executable
 BASELINES = {
     "liger": ("liger_kernel", "Liger-Kernel rows of policy-loss (CUDA only) and fused-linear"),
     "verl": ("verl", "the verl rows of policy-loss, fused-linear and gae"),
-    "trl": ("trl", "the baseline of policy-loss, fused-linear, packed and trl-step: those stages"),
+    "trl": (
+        "trl",
+        "the baseline of policy-loss, fused-linear, logprobs, packed and trl-step: those stages",
+    ),
     "datasets": ("datasets", "trl-step (GRPOTrainer takes a datasets.Dataset)"),
 }
 STAGES = (
@@ -118,6 +124,7 @@ STAGES = (
     "kernel-configs",
     "rows-in-flight",
     "fused-linear",
+    "logprobs",
     "packed",
     "vocab-parallel",
     "gae",
@@ -136,6 +143,7 @@ TIMEOUTS = {
     "kernel-configs": (300, 60),
     "rows-in-flight": (360, 240),
     "fused-linear": (420, 240),  # CUDA: + 60 s for the chunk-size sweep
+    "logprobs": (180, 180),
     "packed": (600, 180),
     "vocab-parallel": (600, 180),
     "gae": (180, 120),
@@ -272,6 +280,9 @@ def plan(args, cuda: bool, missing: dict[str, str | None]) -> list[Stage]:
             no_liger + no_verl,
         )
     )
+    why = no_trl and f"its baselines (TRL's log-prob helpers and chunked head) need trl ({no_trl})"
+    quick_lp = ["--B", "2", "--T", "64", "--V", "2048", "--H", "64", "--rep", "3", "--no-compile"]
+    stages.append(bench("logprobs", "bench_logprobs.py", why, quick_lp, bar=False))
     why = no_trl and f"its baseline trl-eager-padded needs trl ({no_trl})"
     stages.append(bench("packed", "bench_packed.py", why, fp32))
     stages.append(bench("vocab-parallel", "bench_vocab_parallel.py", quick_args=["--quick"]))
