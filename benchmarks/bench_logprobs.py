@@ -277,13 +277,10 @@ def main(argv=None) -> None:
     with keep_rows_on_interrupt(notes, rows):  # a stage timeout keeps the rows done
         for entry, calls in entries.items():
             reps = dict.fromkeys(calls, args.rep or (100 if cuda else 5))
-            done = time_rows(calls, reps, args.device, {n: peaks[f"{entry}: {n}"] for n in calls})
-            for row in done:
-                row.update(entry=entry, B=args.B, T=args.T, V=args.V, dtype=args.dtype)
-                row["max_abs_err_logp"] = errors[f"{entry}: {row['method']}"]
-                if entry == "hidden":
-                    row["H"] = args.H
-            rows += done
+            shape = dict(entry=entry, B=args.B, T=args.T, V=args.V, dtype=args.dtype)
+            shape.update({"H": args.H} if entry == "hidden" else {})
+            entry_peaks = {n: peaks[f"{entry}: {n}"] for n in calls}
+            time_rows(calls, reps, args.device, entry_peaks, rows, **shape)
     if not rows:
         raise SystemExit("interrupted before the first row was timed")
     meta = device_info(args.device)
@@ -292,6 +289,7 @@ def main(argv=None) -> None:
     read_gb = N * args.V * dtype.itemsize / 1e9
     base = {r["entry"]: r["median_ms"] for r in rows if r["method"] in TRL_METHODS}
     for row in rows:
+        row["max_abs_err_logp"] = errors[f"{row['entry']}: {row['method']}"]
         trl = base.get(row["entry"])
         row["speedup_vs_trl"] = round(trl / row["median_ms"], 2) if trl else None
         if row["entry"] == "logits":

@@ -70,6 +70,31 @@ def test_staleness_covers_the_code_gae_and_sample_run(tmp_path, script, args):
     assert f"fastrl/{bench.removeprefix('bench_').replace('sample', 'sampling')}.py" in executed
 
 
+TINY_LOGPROBS = ["--B", "2", "--T", "16", "--V", "300", "--H", "32", "--rep", "2", "--no-compile"]
+
+
+def test_logprobs_benchmark_writes_both_entries_and_their_errors(tmp_path):
+    """bench_logprobs.py on tiny shapes: the rows of both entries against TRL's method of each,
+    fastrl's log-probs within fp32 rounding of the exact ones where TRL's bf16 log_softmax is
+    not, MEASURES covering the code it runs, and the README table."""
+    _run("bench_logprobs.py", *TINY_LOGPROBS, "--out", str(tmp_path), trace=tmp_path / "trace")
+    data = _load(tmp_path / "bench_logprobs_cpu.json")
+    rows = {r["method"]: r for r in data["rows"]}
+    assert_measures_cover("bench_logprobs", "bench_logprobs_cpu", data["meta"], tmp_path / "trace")
+    for name in ("logits: trl selective_log_softmax", "hidden: trl-chunked"):
+        assert rows[name]["speedup_vs_trl"] == 1.0
+    for name in ("logits: fastrl.logprobs", "logits: fastrl.logprobs mask= +H"):
+        assert rows[name]["max_abs_err_logp"] < 1e-5 and "GBs" in rows[name]
+    assert rows["logits: trl selective_log_softmax"]["max_abs_err_logp"] > 1e-3  # bf16-rounded
+    assert rows["hidden: gemm-floor"]["max_abs_err_logp"] is None
+    assert rows["hidden: gemm-floor"]["x_gemm_floor"] == 1.0
+    assert rows["hidden: fastrl.linear_logprobs mask="]["TFLOPs"] >= 0
+    assert 0.5 <= data["meta"]["counted_share"] <= 1.0
+    table = _report().tables("bench", tmp_path)
+    assert "No-grad log-probs of pi_old / pi_ref" in table
+    assert "| logits: fastrl.logprobs mask= |" in table
+
+
 @pytest.mark.parametrize("script", ["bench_gae.py", "bench_sample.py"])
 def test_busy_runs_get_their_own_results_file(tmp_path, script):
     """--busy 1 times the one-op benchmarks with another process spinning, into
@@ -878,10 +903,11 @@ def test_staleness_counts_the_shared_harness():
     a change to them marks the timed tables stale (the trainers' files use neither's timing)."""
     report = _report()
     timed = ["bench_policy_loss", "bench_fused_linear", "bench_gae", "bench_sample",
-             "bench_packed", "bench_vocab_parallel", "bench_kernel_configs"]  # fmt: skip
+             "bench_packed", "bench_vocab_parallel", "bench_kernel_configs",
+             "bench_logprobs"]  # fmt: skip
     for key in timed:
         assert "benchmarks/_common.py" in report.MEASURES[key], key
-    for key in ("bench_policy_loss", "bench_fused_linear", "bench_packed"):
+    for key in ("bench_policy_loss", "bench_fused_linear", "bench_packed", "bench_logprobs"):
         assert "benchmarks/_baselines.py" in report.MEASURES[key], key
     assert "benchmarks/_common.py" not in report.MEASURES["train_summary"]
 
@@ -905,6 +931,7 @@ def test_every_staged_benchmark_keeps_its_rows_when_cut():
         ("bench_gae.py", ["--B", "8", "--T", "32", "--rep", "2", "--loop-rep", "1",
                           "--no-verl"], 2, 1),
         ("bench_sample.py", ["--N", "4", "--V", "64", "--rep", "2"], 2, 1),
+        ("bench_logprobs.py", TINY_LOGPROBS, 2, 1),
         # (its first two timings are cpu_rates', before the rows)
         ("bench_packed.py", ["--quick", "--dtype", "fp32", "--no-progress", "--no-plot",
                              "--memory", "none"], 5, 2),
