@@ -356,3 +356,26 @@ def test_verl_what_spec_cannot_express_raises(actor, option):
 
     with pytest.raises(ValueError, match=option):
         loss_config_from_verl(actor)
+
+
+@pytest.mark.parametrize(
+    "actor, option",
+    [
+        ({"clip_ratio_c": 1.0}, "verl option clip_ratio_c gives LossConfig.clip_dual=1.0"),
+        ({"loss_scale_factor": 0}, "verl option loss_scale_factor gives LossConfig.max_len=0"),
+        ({"policy_loss": {"loss_mode": "sapo"}, "tau_pos": 0.0}, "verl option tau_pos"),
+        ({"use_kl_loss": True, "kl_loss_coef": -1.0}, "verl option kl_loss_coef"),
+        ({"entropy_coeff": -0.1}, "verl option entropy_coeff"),
+        # int() would truncate it, where verl's agg_loss divides by 1.5 as given
+        ({"loss_scale_factor": 1.5}, r"verl loss_scale_factor=1.5 must be a whole number"),
+        ({"loss_scale_factor": "512"}, r"verl loss_scale_factor='512' must be a whole number"),
+    ],
+)
+def test_verl_bad_values_name_the_verl_option(actor, option):
+    """An invalid verl value is reported under the verl option the user set (as the TRL
+    reader does), not only as the LossConfig field it becomes."""
+    from fastrl.integrations.verl import loss_config_from_verl
+
+    with pytest.raises(ValueError, match=option):
+        loss_config_from_verl(actor)
+    assert loss_config_from_verl({"loss_scale_factor": 512.0}).max_len == 512

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import LossConfig
+from ..config import LossConfig, LossConfigError
 
 _KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2"}
 _KL_TYPES.update({"low_var_kl": "low_var_kl", "k3": "low_var_kl"})
@@ -109,6 +109,20 @@ def _base_mode(loss_mode: str) -> str:
     if loss_mode.startswith("fastrl_"):
         return loss_mode[len("fastrl_") :]
     return loss_mode
+
+
+# LossConfig fields -> the verl actor option each comes from (its errors name that option)
+_VERL_OPTIONS = {
+    "clip_low": "clip_ratio_low (clip_ratio when unset)",
+    "clip_high": "clip_ratio_high (clip_ratio when unset)",
+    "clip_dual": "clip_ratio_c",
+    "agg": "loss_agg_mode",
+    "entropy_coef": "entropy_coeff",
+    "sapo_tau_pos": "tau_pos",
+    "sapo_tau_neg": "tau_neg",
+    "max_len": "loss_scale_factor",
+    "kl_coef": "kl_loss_coef",
+}
 
 
 def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrides: Any):
@@ -155,6 +169,15 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
         fields["seq_ratio_grad"] = "token"
     scale = _get(actor, "loss_scale_factor")
     if scale is not None:
+        try:
+            whole = not isinstance(scale, bool) and float(scale).is_integer()
+        except (TypeError, ValueError):
+            whole = False
+        if not whole:  # (int() would truncate it: verl's agg_loss divides by it as given)
+            raise ValueError(
+                f"verl loss_scale_factor={scale!r} must be a whole number of tokens (verl types "
+                "it Optional[int]; fastrl's max_len divides by that integer)"
+            )
         fields["max_len"] = int(scale)
     if _get(actor, "use_kl_loss", False):
         kl_type = _get(actor, "kl_loss_type", "low_var_kl")
@@ -177,7 +200,16 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
             "loss_agg_mode='seq-mean-token-mean', or use the registered loss_mode='fastrl_sapo' "
             "(verl then adds its own KL and entropy terms)"
         )
-    return LossConfig().replace(**fields)
+    try:
+        return LossConfig().replace(**fields)
+    except LossConfigError as e:  # named as the verl option it came from, unless overridden
+        option = _VERL_OPTIONS.get(e.field)
+        if option is None or e.field in overrides:
+            raise
+        raise ValueError(
+            f"verl option {option} gives LossConfig.{e.field}={e.value!r}, which is invalid: "
+            f"expected {e.expected}"
+        ) from e
 
 
 # ============================================================================ registered loss
