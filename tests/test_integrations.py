@@ -368,7 +368,7 @@ def test_verl_what_spec_cannot_express_raises(actor, option):
         ({"entropy_coeff": -0.1}, "verl option entropy_coeff"),
         # int() would truncate it, where verl's agg_loss divides by 1.5 as given
         ({"loss_scale_factor": 1.5}, r"verl loss_scale_factor=1.5 must be a whole number"),
-        ({"loss_scale_factor": "512"}, r"verl loss_scale_factor='512' must be a whole number"),
+        ({"loss_scale_factor": "many"}, r"verl loss_scale_factor='many' must be a whole number"),
     ],
 )
 def test_verl_bad_values_name_the_verl_option(actor, option):
