@@ -23,8 +23,9 @@ Two ways through the (B, T, V) logits, both reading them once per use:
 
 Registered ops (namespace "fastrl", so torch.compile(fullgraph=True) traces through them):
   fastrl::token_logprobs(logits, tokens, temperature, inplace, temperature_rows=None,
-      skip=None) -> (logp, entropy, m, log_s)  # (B, T); m = max_j z'_j, log s = lse - m (for
-      the backward); rows where the mask `skip` is 0: logp = H = 0, not read, zero gradient
+      skip=None, with_entropy=True) -> (logp, entropy, m, log_s)  # (B, T); m = max_j z'_j,
+      log s = lse - m (for the backward); rows where the mask `skip` is 0: logp = H = 0, not
+      read, zero gradient; with_entropy False: H not to be read (the CPU skips forming it)
   fastrl::token_stats_grad(logits, tokens, logp, m, log_s, entropy, g, h, temperature,
       temperature_rows=None, skip=None) -> grad (B, T, V)
   fastrl::token_stats_grad_(logits, ...) -> ()   # writes the gradient into `logits` (in-place)

@@ -178,6 +178,20 @@ def test_compiled_logprobs_no_grad(monkeypatch):
     torch.testing.assert_close(logp, rlogp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent, rent, rtol=1e-5, atol=1e-6)
 
+    @torch.compile(fullgraph=True)
+    def masked_logprobs(logits, tokens, mask):  # the mask: its rows skipped, 0 there
+        return fastrl.logprobs(logits, tokens, mask=mask)
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    x = logits.clone().requires_grad_()
+    logp = masked_logprobs(x, tokens, mask)
+    want = torch.where(mask, R.logprobs(logits, tokens), 0.0)
+    torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-6)
+    logp.sum().backward()
+    ref = logits.clone().requires_grad_()
+    (R.logprobs(ref, tokens) * mask).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
 
 def test_custom_ops_registered_with_fake_impls():
     """opcheck: schema, fake (meta) implementation and autograd registration are consistent."""
@@ -186,6 +200,12 @@ def test_custom_ops_registered_with_fake_impls():
     torch.library.opcheck(
         torch.ops.fastrl.token_logprobs.default,
         (logits, tokens, 0.7, False),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    skip = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])  # with the mask and no entropy
+    torch.library.opcheck(
+        torch.ops.fastrl.token_logprobs.default,
+        (logits, tokens, 0.7, False, None, skip, False),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
     with torch._subclasses.fake_tensor.FakeTensorMode():
