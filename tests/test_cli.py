@@ -100,6 +100,17 @@ def test_model_path_that_is_not_a_causal_lm(tmp_path, capsys):
     (d / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
     assert main(["train", "--model", str(d), "--out", str(tmp_path / "o"), *TINY]) == 2
     assert "not a causal LM" in capsys.readouterr().err
+    # a weights file cut short (a copy that did not finish): safetensors' own error, named
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    cut = tmp_path / "cut"
+    Qwen2ForCausalLM(cfg).save_pretrained(cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["train", "--model", str(cut), "--out", str(tmp_path / "o"), *TINY]) == 2
+    assert "not a causal LM that transformers can load" in capsys.readouterr().err
 
 
 def test_model_with_a_missing_or_too_large_tokenizer(tmp_path, capsys):

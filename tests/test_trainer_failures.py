@@ -89,6 +89,7 @@ def test_nonfinite_loss_stops_at_the_step_keeping_the_last_good_checkpoint(
     assert ckpt_dirs(out) == ["step-000001"]
     assert ckpt_io.latest_checkpoint(str(out / "checkpoints")).endswith("step-000001")
     assert steps_of(out) == [0, 1]
+    assert (out / "curves.png").is_file()  # the curves of the steps before it, to debug from
     # weights that turn non-finite with a finite loss (e.g. NaN optimizer state) are not saved
     t = Trainer(tiny(tmp_path / "other", steps=1), log=lambda *a: None)
     t.setup()

@@ -183,6 +183,35 @@ def test_a_signal_before_the_rl_steps_aborts_at_once(tmp_path):
     assert "SIGTERM: aborted at once before the RL steps; no checkpoint was saved" in err
 
 
+def test_a_signal_while_the_curves_are_drawn_lets_the_finished_run_end(tmp_path, monkeypatch,
+                                                                      capfd):  # fmt: skip
+    """A stop signal after the last step, while curves.png is drawn: the run had finished and
+    saved it, so it ends as it would have (exit 0, curves.png written), where it used to say
+    "aborted at once before the RL steps" (exit 130, no curves); a second signal aborts then,
+    naming where."""
+    from fastrl.train import signals
+    from fastrl.train import trainer as trainer_mod
+
+    real = trainer_mod.plot_curves
+
+    def signalled_plot(*args):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to the handler before the next bytecode
+        return real(*args)
+
+    monkeypatch.setattr(trainer_mod, "plot_curves", signalled_plot)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--out", str(out), *TINY]) == 0
+    err = capfd.readouterr().err  # (the handler writes to fd 2)
+    assert "SIGINT received: the RL steps are over, writing curves.png" in err
+    assert (out / "curves.png").is_file() and steps_of(out) == [0, 1]
+    stops = signals.StopSignals(0, lambda: 3)
+    stops.finishing = True
+    stops._handle(signal.SIGINT, None)  # the first waits
+    stops.time -= 2 * signals.REPEAT_WINDOW_S
+    with pytest.raises(signals.Aborted, match="after step 3, while writing curves.png"):
+        stops._handle(signal.SIGINT, None)
+
+
 # ----------------------------------------------------------------------- the summary
 def test_summary_counts_the_steps_this_process_ran(tmp_path, capsys):
     out = str(tmp_path / "run")

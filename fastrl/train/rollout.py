@@ -121,6 +121,16 @@ TOKENIZER_FILES = (
 )
 
 
+def _safetensors_error() -> type[BaseException]:
+    """safetensors' error for a corrupt or truncated file (not a ValueError / OSError), or
+    OSError when safetensors is absent (transformers then reads no .safetensors at all)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return OSError
+    return SafetensorError
+
+
 def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None):
     """(model, tokenizer): the embedded default when `path` is None, else a local HF causal LM
     directory (config.json + weights + tokenizer files). Raises ValueError saying what to fix."""
@@ -148,7 +158,7 @@ def load_model(path: str | None, seed: int = 0, dtype: torch.dtype | None = None
             if "scaled_dot_product_attention" not in str(e):
                 raise
             model = load("eager")
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, _safetensors_error()) as e:  # (a corrupt weights file)
         raise ValueError(
             f"--model {path!r} is not a causal LM that transformers can load: {e}"
         ) from e

@@ -49,17 +49,20 @@ class Aborted(KeyboardInterrupt):
 class StopSignals:
     """The stop signals of one `train` call. `installed()` puts the handlers in place (main
     thread only; the previous ones come back afterwards); `in_loop` says whether a signal may
-    wait for the step to finish (`current_step()`: the steps finished so far); `requested()`
-    is the signal any rank received (0: none), the same answer on every rank."""
+    wait for the step to finish (`current_step()`: the steps finished so far); `finishing`,
+    that the steps have ended and only curves.png is being written: a first signal then waits
+    for it (the run ends as it would have), a second aborts; `requested()` is the signal any
+    rank received (0: none), the same answer on every rank."""
 
     def __init__(self, rank: int, current_step: Callable[[], int]):
         self.rank, self.current_step = rank, current_step
-        self.in_loop = False
+        self.in_loop = self.finishing = False
         self.signum = self.time = None  # the first stop signal received, and when
 
     @contextlib.contextmanager
     def installed(self):
         self.signum = self.time = None
+        self.in_loop = self.finishing = False
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -75,10 +78,20 @@ class StopSignals:
         now = time.monotonic()
         if self.signum is not None and now - self.time < REPEAT_WINDOW_S:
             return  # the same interrupt, delivered twice
-        if self.signum is not None or not self.in_loop:
-            where = f"in step {self.current_step() + 1}" if self.in_loop else "before the RL steps"
+        if self.signum is not None or not (self.in_loop or self.finishing):
+            where = "before the RL steps"
+            if self.in_loop:
+                where = f"in step {self.current_step() + 1}"
+            elif self.finishing:
+                where = f"after step {self.current_step()}, while writing curves.png"
             raise Aborted(signum, where)
         self.signum, self.time = signum, now
+        if self.finishing:  # the steps are over: let the plot finish (a second signal aborts)
+            if self.rank == 0:
+                name = signal.Signals(signum).name
+                note = "the RL steps are over, writing curves.png (send it again to abort)"
+                os.write(2, f"\n{name} received: {note}\n".encode())
+            return
         if self.rank == 0:  # os.write: never re-enters a Python stream being written
             again = "press Ctrl-C again" if signum == signal.SIGINT else "send it again"
             os.write(

@@ -201,18 +201,24 @@ class Trainer:
         self._t_start = time.perf_counter()
         self.first_step, self.steps_run = state.step, 0
         self._signals.in_loop = True
+        plot = False  # curves.png: after the steps, also when they stopped on an error
         try:
             stopped = self._steps()
+            plot = True
+        except (TrainingError, RewardError):
+            plot = True
+            raise
         finally:
             self._signals.in_loop = False
+            self._signals.finishing = plot  # (a signal now waits for the plot: _signals)
             self.wall_time = time.perf_counter() - self._t_start
             run.console.close_bar()
             self.runlog.close()
-        if run.rank == 0:
-            try:
-                plot_curves(metrics_path, os.path.join(cfg.out, "curves.png"), run_title(cfg))
-            except Exception as e:  # a plot never fails a run
-                run.console.log(f"could not write curves.png: {e}")
+            if plot and run.rank == 0:
+                try:
+                    plot_curves(metrics_path, os.path.join(cfg.out, "curves.png"), run_title(cfg))
+                except Exception as e:  # a plot never fails a run
+                    run.console.log(f"could not write curves.png: {e}")
         if stopped:  # SIGINT / SIGTERM: the step is finished and saved
             raise Interrupted(stopped, state.step, self.last_ckpt)
         return self.runlog.records
