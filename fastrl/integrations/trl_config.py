@@ -107,6 +107,26 @@ def _option_reader(args: Any):
     return lambda name: getattr(args, name, _TRL_DEFAULTS[name])
 
 
+def config_from_options(
+    values: dict[str, Any], overrides: dict[str, Any], options: Mapping[str, str], source: str
+) -> LossConfig:
+    """LossConfig().replace(**values) for a trainer's config read into LossConfig field
+    `values` (the caller's `overrides` among them): an invalid value is reported as the `source`
+    option it came from (`options`: LossConfig field -> that trainer's option; TRL's here,
+    verl's in fastrl.integrations.verl), unless the caller's override set that field (then
+    LossConfigError, under fastrl's name)."""
+    try:
+        return LossConfig().replace(**values)
+    except LossConfigError as e:
+        option = options.get(e.field)
+        if option is None or e.field in overrides:
+            raise
+        raise ValueError(
+            f"{source} option {option} gives LossConfig.{e.field}={e.value!r}, which is "
+            f"invalid: expected {e.expected}"
+        ) from e
+
+
 def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
     """LossConfig equal to TRL's GRPO loss for `args` (a trl.GRPOConfig, any object with its
     fields, or a mapping of them, e.g. its `to_dict()`); `overrides` are LossConfig fields
@@ -209,14 +229,5 @@ def loss_config_from_trl(args: Any, **overrides: Any) -> LossConfig:
             rollout_is_cap=float(cap),
             rollout_is_floor=None if floor is None else float(floor),
         )
-    fields.update(overrides)
-    try:
-        return LossConfig().replace(**fields)
-    except LossConfigError as e:  # named as the TRL option it came from, unless overridden
-        option = _TRL_OPTIONS.get(e.field)
-        if option is None or e.field in overrides:
-            raise
-        raise ValueError(
-            f"TRL option {option} gives LossConfig.{e.field}={e.value!r}, which is invalid: "
-            f"expected {e.expected}"
-        ) from e
+    fields.update(overrides)  # (an invalid value named as the TRL option it came from)
+    return config_from_options(fields, overrides, _TRL_OPTIONS, "TRL")

@@ -79,7 +79,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import LossConfig, LossConfigError
+from ..config import LossConfig
+from .trl_config import config_from_options
 
 _KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2"}
 _KL_TYPES.update({"low_var_kl": "low_var_kl", "k3": "low_var_kl"})
@@ -200,16 +201,8 @@ def loss_config_from_verl(actor: Any, *, loss_mode: str | None = None, **overrid
             "loss_agg_mode='seq-mean-token-mean', or use the registered loss_mode='fastrl_sapo' "
             "(verl then adds its own KL and entropy terms)"
         )
-    try:
-        return LossConfig().replace(**fields)
-    except LossConfigError as e:  # named as the verl option it came from, unless overridden
-        option = _VERL_OPTIONS.get(e.field)
-        if option is None or e.field in overrides:
-            raise
-        raise ValueError(
-            f"verl option {option} gives LossConfig.{e.field}={e.value!r}, which is invalid: "
-            f"expected {e.expected}"
-        ) from e
+    # (an invalid value named as the verl option it came from)
+    return config_from_options(fields, overrides, _VERL_OPTIONS, "verl")
 
 
 # ============================================================================ registered loss
