@@ -24,6 +24,7 @@ BENCH_STAGES = [
     "kernel-configs",
     "rows-in-flight",
     "fused-linear",
+    "logprobs",
     "packed",
     "vocab-parallel",
     "gae",
